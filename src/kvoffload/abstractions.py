@@ -1,0 +1,479 @@
+"""The offloading contracts: what a scheduler-side manager and a worker-side
+mover promise each other. Modelled on vLLM v1's kv_offload abstractions so a
+tier written against them plugs into vLLM unchanged.
+
+Scheduler side: an OffloadingManager is pure bookkeeping (which keys a tier
+holds, where, and whether they may be read or evicted).
+Worker side: an OffloadingWorker moves bytes asynchronously and reports each
+job as a TransferResult.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum, auto
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
+
+import numpy as np
+import torch
+
+from kvoffload.keys import (  # re-exported: the keys are part of the contract
+    OffloadKey,
+    get_offload_block_hash,
+    get_offload_group_idx,
+    make_offload_key,
+)
+
+if TYPE_CHECKING:
+    from kvoffload.config import OffloadingConfig
+
+__all__ = [
+    "OffloadKey", "make_offload_key", "get_offload_block_hash", "get_offload_group_idx",
+    "Medium", "Locality", "TierMatcher", "TierFilter", "ReqContext", "LookupResult",
+    "OffloadPolicy", "RequestOffloadingContext", "ScheduleEndContext", "LoadStoreSpec",
+    "PrepareStoreOutput", "OffloadingEvent", "OffloadingMetricMetadata",
+    "OffloadingCounterMetadata", "OffloadingGaugeMetadata", "OffloadingHistogramMetadata",
+    "OffloadingKVEventsConfig", "OffloadingStats", "OffloadingManager",
+    "BlockIDsLoadStoreSpec", "GPULoadStoreSpec", "CPULoadStoreSpec",
+    "CanonicalKVCacheTensor", "CopyRun", "CanonicalPageMapping", "CanonicalKVCacheRef",
+    "CanonicalKVCaches", "TransferResult", "OffloadingWorker", "OffloadingSpec",
+]
+
+_T = TypeVar("_T")
+
+
+class Medium(Enum):
+    """What a tier stores its bytes on."""
+
+    CPU = "CPU"
+    STORAGE = "STORAGE"
+
+
+class Locality(Enum):
+    """Whether a tier's bytes live on this instance or are shared remotely."""
+
+    LOCAL = "LOCAL"
+    REMOTE = "REMOTE"
+
+
+class TierMatcher(NamedTuple):
+    """Matches tiers by medium and locality; None on either side is a wildcard."""
+
+    medium: Medium | None = None
+    locality: Locality | None = None
+
+    def matches(self, medium: Medium | None, locality: Locality | None) -> bool:
+        return (self.medium is None or medium is None or self.medium == medium) and (
+            self.locality is None or locality is None or self.locality == locality
+        )
+
+
+@dataclass(frozen=True)
+class TierFilter:
+    """Which tiers a request may load from. An empty filter allows none."""
+
+    matchers: tuple[TierMatcher, ...] = ()
+
+    ALL: ClassVar[TierFilter]
+
+    def allows(self, medium: Medium | None, locality: Locality | None) -> bool:
+        if self is TierFilter.ALL:
+            return True
+        return any(m.matches(medium, locality) for m in self.matchers)
+
+    @classmethod
+    def from_params(cls, tiers: Iterable[dict[str, str]]) -> TierFilter:
+        """Build a filter from `kv_load_tiers`: a list of {medium, locality} dicts."""
+        matchers = []
+        for i, t in enumerate(tiers):
+            if not isinstance(t, dict):
+                raise ValueError(f"kv_load_tiers[{i}] must be a dict, got {t!r}")
+            unknown = set(t) - {"medium", "locality"}
+            if unknown:
+                raise ValueError(f"kv_load_tiers[{i}]: unknown key(s) {sorted(unknown)}")
+            try:
+                medium = Medium(t["medium"].upper()) if t.get("medium") else None
+                locality = Locality(t["locality"].upper()) if t.get("locality") else None
+            except ValueError as e:
+                raise ValueError(f"kv_load_tiers[{i}]: {e}") from None
+            matchers.append(TierMatcher(medium, locality))
+        return cls(tuple(matchers))
+
+
+TierFilter.ALL = TierFilter(matchers=(TierMatcher(),))
+
+
+@dataclass
+class ReqContext:
+    """Per-request context handed to every manager call."""
+
+    req_id: str
+    kv_transfer_params: dict[str, Any] | None = None
+    kv_hints: Any | None = None
+    load_tier_filter: TierFilter = TierFilter.ALL
+    # Typed scratch space: a tier parses the request's params once (in
+    # on_new_request) and reads its own object back on later calls.
+    _state: dict[type, Any] = field(default_factory=dict, repr=False, init=False)
+    # End-token position of each key in this request, so a manager can
+    # recover prefix order when stores arrive out of order.
+    _offload_key_positions: dict[OffloadKey, int] = field(
+        default_factory=dict, repr=False, init=False
+    )
+
+    def set_state(self, val: Any) -> None:
+        self._state[type(val)] = val
+
+    def get_state(self, cls: type[_T]) -> _T | None:
+        return self._state.get(cls)
+
+    def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
+        self._offload_key_positions[key] = end_token
+
+    def get_offload_key_position(self, key: OffloadKey) -> int | None:
+        return self._offload_key_positions.get(key)
+
+
+class LookupResult(Enum):
+    MISS = auto()  # not held by any allowed tier
+    HIT = auto()  # held and readable now
+    HIT_PENDING = auto()  # held, but still being written or promoted
+    RETRY = auto()  # unknown yet (e.g. a remote existence check in flight)
+
+
+class OffloadPolicy(Enum):
+    # Offload only newly computed chunks; prefix hits were offloaded before.
+    CHUNK_LEVEL = "chunk_level"
+    # Offload every chunk of the request, prefix hits included (for tiers
+    # that need a request's whole KV context).
+    REQUEST_LEVEL = "request_level"
+
+
+@dataclass
+class RequestOffloadingContext:
+    policy: OffloadPolicy = OffloadPolicy.CHUNK_LEVEL
+
+
+class ScheduleEndContext(NamedTuple):
+    """What the scheduler did this step, passed to on_schedule_end()."""
+
+    new_req_ids: Collection[str]
+    preempted_req_ids: Collection[str]
+
+
+class LoadStoreSpec:
+    """Opaque to the scheduler: tells a worker where blocks are (or will be)."""
+
+
+@dataclass
+class PrepareStoreOutput:
+    keys_to_store: list[OffloadKey]
+    store_spec: LoadStoreSpec
+    evicted_keys: list[OffloadKey]
+
+
+@dataclass
+class OffloadingEvent:
+    keys: list[OffloadKey]
+    medium: Medium
+    removed: bool  # True: the keys left the tier; False: they became readable
+    locality: Locality | None = None
+    # Name of the secondary tier that owns these keys; None for the primary.
+    ownership: str | None = None
+    removal_expected: bool = False
+
+
+@dataclass(frozen=True)
+class OffloadingMetricMetadata:
+    documentation: str
+    labelnames: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class OffloadingCounterMetadata(OffloadingMetricMetadata):
+    pass
+
+
+@dataclass(frozen=True)
+class OffloadingGaugeMetadata(OffloadingMetricMetadata):
+    pass
+
+
+@dataclass(frozen=True)
+class OffloadingHistogramMetadata(OffloadingMetricMetadata):
+    buckets: tuple[float, ...] | None = None
+
+
+@dataclass(frozen=True)
+class OffloadingKVEventsConfig:
+    # Global switch: when False nobody drains take_events(), so managers
+    # must not accumulate events at all.
+    enable_kv_cache_events: bool
+    # Opt-in: BlockStored events carry hashes, parent, tokens and block size.
+    self_describing_kv_events: bool
+
+
+@dataclass
+class OffloadingStats:
+    """A tier's stats. Counters are deltas since the previous get_stats();
+    gauges are current values. A composing manager nests its tiers' stats."""
+
+    tier: str
+    medium: Medium | None = None
+    locality: Locality | None = None
+    counters: dict[str, float] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)
+    children: list[OffloadingStats] = field(default_factory=list)
+
+    def walk(self) -> Iterable[OffloadingStats]:
+        yield self
+        for c in self.children:
+            yield from c.walk()
+
+
+class OffloadingManager(ABC):
+    """Scheduler-side bookkeeping of one tier (or a composition of tiers).
+
+    lookup()        is one block held and readable?
+    prepare_load()  pin blocks for reading; returns where they are
+    touch()         mark blocks recently used (also GPU-cached ones)
+    complete_load() unpin blocks after the read finished
+    prepare_store() reserve room for blocks (evicting if needed)
+    complete_store() make stored blocks readable, or drop failed ones
+    """
+
+    @abstractmethod
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        """HIT if held and readable, HIT_PENDING if held but not readable yet,
+        MISS if not held, RETRY if the answer is not known yet."""
+
+    @abstractmethod
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:
+        """Pin the given (held, readable) blocks until complete_load and return
+        a spec a worker reads them from."""
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Mark blocks recently used. Keys are given in prefix order."""
+        return
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        """Unpin blocks pinned by prepare_load."""
+        return
+
+    @abstractmethod
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext
+    ) -> PrepareStoreOutput | None:
+        """Reserve room for the keys not already held, evicting if needed.
+        Returns which keys to write, where, and what was evicted; None (with
+        no state changed) if there is no room."""
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True
+    ) -> None:
+        """Make the blocks of a prepared store readable; on failure, drop the
+        ones that were not already stored."""
+        return
+
+    @abstractmethod
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        """First sight of a request: parse its params, say how to offload it."""
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """No more prepare_* calls will come for this request; completions of
+        transfers already submitted may. Implies nothing is persisted yet."""
+        return
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        """Events since the last call, only for state this manager owns (a
+        composing manager forwards its children's, never invents them)."""
+        return ()
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        """End of a scheduler step: flush deferred work (batched promotions)."""
+        return
+
+    def has_pending_work(self) -> bool:
+        """True while the engine must keep stepping for this manager."""
+        return False
+
+    def reset_cache(self) -> None:
+        """Drop every block that is not pinned and reset state."""
+        return
+
+    def get_stats(self) -> OffloadingStats | None:
+        """Stats since the last call, or None if stats are off."""
+        return None
+
+    def shutdown(self) -> None:
+        return
+
+
+class BlockIDsLoadStoreSpec(LoadStoreSpec, ABC):
+    """Blocks named by index. GPU specs hold GPU block ids; CPU specs hold
+    host-pool chunk slots."""
+
+    def __init__(self, block_ids: Sequence[int] | np.ndarray):
+        self.block_ids = np.asarray(block_ids, dtype=np.int64)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.block_ids.tolist()!r})"
+
+
+class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """GPU blocks to read from or write into.
+
+    With several KV groups the ids are ordered by group and group_sizes[i]
+    says how many belong to group i. block_indices[i] is the logical index
+    (within the request) of group i's first block: when an offloaded chunk
+    spans several GPU blocks, the first GPU block may start mid-chunk, and
+    this says how much of the first chunk to skip.
+    """
+
+    def __init__(
+        self,
+        block_ids: Sequence[int] | np.ndarray,
+        group_sizes: Sequence[int] | None = None,
+        block_indices: Sequence[int] | None = None,
+    ):
+        super().__init__(block_ids)
+        if group_sizes is None:
+            group_sizes = (len(self.block_ids),)
+        if block_indices is None:
+            block_indices = (0,) * len(group_sizes)
+        if sum(group_sizes) != len(self.block_ids):
+            raise ValueError(
+                f"group_sizes {list(group_sizes)} sum to {sum(group_sizes)}, "
+                f"but there are {len(self.block_ids)} block ids"
+            )
+        if len(block_indices) != len(group_sizes):
+            raise ValueError(
+                f"block_indices has {len(block_indices)} entries for {len(group_sizes)} groups"
+            )
+        self.group_sizes: Sequence[int] = tuple(group_sizes)
+        self.block_indices: Sequence[int] = tuple(block_indices)
+
+
+class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
+    """Chunk slots in the host pool, one per offload key, in key order."""
+
+
+@dataclass
+class CanonicalKVCacheTensor:
+    """An engine KV cache tensor whose first dimension is num_blocks."""
+
+    tensor: torch.Tensor
+    page_size_bytes: int  # bytes per block, possibly padded
+
+
+@dataclass(frozen=True)
+class CopyRun:
+    """A strided byte correspondence between this worker's page and the
+    canonical page: fragment i covers [local_offset + i*local_stride, +size)
+    locally and [canonical_offset + i*canonical_stride, +size) canonically."""
+
+    local_offset: int
+    canonical_offset: int
+    fragment_size: int
+    num_fragments: int
+    local_stride: int
+    canonical_stride: int
+
+
+@dataclass(frozen=True)
+class CanonicalPageMapping:
+    """How this worker's page maps into a parallelism-free canonical page.
+    Ranks that hold identical bytes take turns (by block) writing them."""
+
+    canonical_page_size_bytes: int
+    local_page_size_bytes: int
+    runs: tuple[CopyRun, ...]
+    num_writers: int
+    writer_index: int
+    parallelism_agnostic: bool
+
+    def is_writer(self, block_id: int) -> bool:
+        """Whether this worker writes the canonical page of this block."""
+        return block_id % self.num_writers == self.writer_index
+
+
+@dataclass
+class CanonicalKVCacheRef:
+    """One layer's (or layer group's) view into a CanonicalKVCacheTensor."""
+
+    tensor_idx: int
+    page_size_bytes: int  # un-padded bytes per block for this layer
+    mapping: CanonicalPageMapping | None = None  # None: not certified canonical
+
+
+@dataclass
+class CanonicalKVCaches:
+    """The engine's KV caches as unique block tensors plus, per KV group,
+    the references of its layers into them."""
+
+    tensors: list[CanonicalKVCacheTensor]
+    group_data_refs: list[list[CanonicalKVCacheRef]]
+
+
+@dataclass
+class TransferResult:
+    job_id: int
+    success: bool
+    transfer_size: int | None = None  # bytes
+    transfer_time: float | None = None  # seconds
+
+
+class OffloadingWorker(ABC):
+    """Worker-side mover for one offloaded medium. Direction is explicit."""
+
+    @abstractmethod
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        """Start copying GPU blocks to the medium; False if not accepted."""
+
+    @abstractmethod
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        """Start copying blocks from the medium into GPU blocks."""
+
+    @abstractmethod
+    def get_finished(self) -> list[TransferResult]:
+        """Jobs finished since the last call."""
+
+    @abstractmethod
+    def wait(self, job_ids: set[int]) -> None:
+        """Block until the given jobs have finished."""
+
+    def shutdown(self) -> None:
+        return
+
+
+class OffloadingSpec(ABC):
+    """Builds a manager and a worker from one OffloadingConfig."""
+
+    @classmethod
+    def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, OffloadingMetricMetadata]:
+        """Prometheus metrics this spec emits, by name."""
+        return {}
+
+    def __init__(self, config: OffloadingConfig):
+        self.config = config
+        self.extra_config = config.extra_config
+        self.replicated_layout: bool = False
+        self.kv_events_config = OffloadingKVEventsConfig(
+            enable_kv_cache_events=config.enable_kv_cache_events,
+            self_describing_kv_events=bool(self.extra_config.get("self_describing_kv_events", False)),
+        )
+        # Offload only prompt blocks; decode blocks are often dropped before
+        # the next turn (e.g. reasoning models strip their thinking).
+        self.offload_prompt_only: bool = bool(self.extra_config.get("offload_prompt_only", True))
+        self.tokens_per_block = tuple(g.tokens_per_block for g in config.groups)
+        self.tokens_per_hash = config.cache.tokens_per_hash
+        self.blocks_per_chunk = config.cache.blocks_per_chunk
+
+    @abstractmethod
+    def get_manager(self) -> OffloadingManager:
+        """The scheduler-side manager (one per spec)."""
+
+    @abstractmethod
+    def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        """The worker-side mover for the given engine KV caches."""

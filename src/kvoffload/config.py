@@ -1,0 +1,184 @@
+"""OffloadingConfig: the one config a spec is built from.
+
+Loads from a dict, a JSON or YAML file, or keyword arguments. Every bad value
+raises ConfigError naming the key, and unknown keys are refused (with the
+closest known name) so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A config key is unknown or has a bad value. The message names the key."""
+
+
+def check_known_keys(given: Iterable[str], known: Iterable[str], where: str) -> None:
+    """Refuse keys that are not in `known`, suggesting the closest match."""
+    known = list(known)
+    for key in given:
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"{where}: unknown key {key!r}{hint}; known keys: {sorted(known)}")
+
+
+def positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def positive_number(value: Any, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{key} must be a positive number, got {value!r}")
+    return value
+
+
+def parse_bytes(value: Any, key: str) -> int:
+    """An int of bytes, or a string such as '4GiB', '512MB', '1.5G'."""
+    if isinstance(value, str):
+        s = value.strip().upper().replace(" ", "")
+        units = {"TIB": 2**40, "GIB": 2**30, "MIB": 2**20, "KIB": 2**10,
+                 "TB": 10**12, "GB": 10**9, "MB": 10**6, "KB": 10**3,
+                 "T": 2**40, "G": 2**30, "M": 2**20, "K": 2**10, "B": 1}
+        for unit, mult in units.items():
+            if s.endswith(unit):
+                try:
+                    value = int(float(s[: -len(unit)]) * mult)
+                except ValueError:
+                    raise ConfigError(f"{key}: cannot parse {value!r} as a size") from None
+                break
+        else:
+            try:
+                value = int(s)
+            except ValueError:
+                raise ConfigError(f"{key}: cannot parse {value!r} as a size") from None
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return positive_int(value, key)
+
+
+@dataclass(frozen=True)
+class KVGroupConfig:
+    """One KV cache group (e.g. full attention, or a sliding window)."""
+
+    tokens_per_block: int  # tokens per GPU block of this group
+    sliding_window: int | None = None  # tokens; None = full attention
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    tokens_per_hash: int  # tokens covered by one block hash
+    blocks_per_chunk: int = 1  # hash blocks per offloaded chunk (one key each chunk)
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.tokens_per_hash * self.blocks_per_chunk
+
+
+_TOP_KEYS = ("groups", "tokens_per_hash", "blocks_per_chunk", "extra_config", "enable_kv_cache_events")
+_GROUP_KEYS = ("tokens_per_block", "sliding_window")
+
+
+@dataclass(frozen=True)
+class OffloadingConfig:
+    groups: tuple[KVGroupConfig, ...]
+    cache: CacheConfig
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    enable_kv_cache_events: bool = False
+
+    def __post_init__(self):
+        if not self.groups:
+            raise ConfigError("groups must name at least one KV group")
+        for i, g in enumerate(self.groups):
+            positive_int(g.tokens_per_block, f"groups[{i}].tokens_per_block")
+            if g.sliding_window is not None:
+                positive_int(g.sliding_window, f"groups[{i}].sliding_window")
+        positive_int(self.cache.tokens_per_hash, "tokens_per_hash")
+        positive_int(self.cache.blocks_per_chunk, "blocks_per_chunk")
+        chunk = self.cache.tokens_per_chunk
+        for i, g in enumerate(self.groups):
+            if chunk % g.tokens_per_block and g.tokens_per_block % chunk:
+                raise ConfigError(
+                    f"groups[{i}].tokens_per_block={g.tokens_per_block} must divide, or be a "
+                    f"multiple of, the chunk size tokens_per_hash*blocks_per_chunk={chunk}"
+                )
+        if not isinstance(self.extra_config, dict):
+            raise ConfigError(f"extra_config must be a dict, got {type(self.extra_config).__name__}")
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ConfigError(f"enable_kv_cache_events must be true or false, got {self.enable_kv_cache_events!r}")
+
+    @property
+    def tokens_per_chunk(self) -> int:
+        return self.cache.tokens_per_chunk
+
+    def gpu_blocks_per_chunk(self, group_idx: int) -> int:
+        """GPU blocks of a group that one offloaded chunk spans (at least 1)."""
+        return max(1, self.cache.tokens_per_chunk // self.groups[group_idx].tokens_per_block)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> OffloadingConfig:
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"config must be a mapping, got {type(d).__name__}")
+        check_known_keys(d, _TOP_KEYS, "config")
+        raw_groups = d.get("groups", [{"tokens_per_block": 16}])
+        if not isinstance(raw_groups, (list, tuple)):
+            raise ConfigError(f"groups must be a list, got {raw_groups!r}")
+        groups = []
+        for i, g in enumerate(raw_groups):
+            if isinstance(g, int):
+                g = {"tokens_per_block": g}
+            if not isinstance(g, Mapping):
+                raise ConfigError(f"groups[{i}] must be a mapping, got {g!r}")
+            check_known_keys(g, _GROUP_KEYS, f"groups[{i}]")
+            if "tokens_per_block" not in g:
+                raise ConfigError(f"groups[{i}].tokens_per_block is required")
+            groups.append(KVGroupConfig(g["tokens_per_block"], g.get("sliding_window")))
+        tokens_per_hash = d.get("tokens_per_hash", groups[0].tokens_per_block if groups else 16)
+        cache = CacheConfig(tokens_per_hash, d.get("blocks_per_chunk", 1))
+        return cls(tuple(groups), cache, dict(d.get("extra_config") or {}),
+                   d.get("enable_kv_cache_events", False))
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> OffloadingConfig:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        if path.suffix in (".yaml", ".yml"):
+            try:
+                import yaml
+            except ImportError:
+                raise ConfigError("YAML configs need PyYAML: pip install kvoffload[yaml]") from None
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path}: invalid YAML: {e}") from None
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+        return cls.from_dict(data or {})
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> OffloadingConfig:
+        return cls.from_dict(kwargs)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "groups": [{"tokens_per_block": g.tokens_per_block, "sliding_window": g.sliding_window}
+                       for g in self.groups],
+            "tokens_per_hash": self.cache.tokens_per_hash,
+            "blocks_per_chunk": self.cache.blocks_per_chunk,
+            "extra_config": dict(self.extra_config),
+            "enable_kv_cache_events": self.enable_kv_cache_events,
+        }
