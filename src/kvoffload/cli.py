@@ -13,6 +13,7 @@ import sys
 COMMANDS = {
     "replay": "kvoffload.replay.cli",
     "demo": "kvoffload.demo",
+    "stats": "kvoffload.stats",
 }
 
 

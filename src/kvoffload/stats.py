@@ -1,0 +1,81 @@
+"""`kvoffload stats`: a live per-tier table scraped from a /metrics endpoint
+(the replay's --metrics-port, or any engine exporting our series)."""
+
+from __future__ import annotations
+
+import sys
+import time
+import urllib.request
+from collections import defaultdict
+
+COLUMNS = ("lookups", "hits", "misses", "hit_rate", "stored_blocks", "loaded_blocks",
+           "evictions", "dropped_stores", "checksum_failures", "used_blocks", "usage")
+
+
+def parse_metrics(text: str) -> dict[str, dict[str, float]]:
+    """Per tier, the latest value of each kvoffload_* counter and gauge."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    tiers: dict[str, dict[str, float]] = defaultdict(dict)
+    for family in text_string_to_metric_families(text):
+        if not family.name.startswith("kvoffload_") or family.type not in ("counter", "gauge"):
+            continue
+        stat = family.name[len("kvoffload_"):]
+        for sample in family.samples:
+            if sample.name.endswith("_created") or "tier" not in sample.labels:
+                continue
+            tiers[sample.labels["tier"]][stat] = sample.value
+    for t in tiers.values():
+        found = t.get("hits", 0.0) + t.get("misses", 0.0)
+        t["hit_rate"] = t.get("hits", 0.0) / found if found else 0.0
+    return dict(tiers)
+
+
+def format_table(tiers: dict[str, dict[str, float]]) -> str:
+    header = ["tier", *COLUMNS]
+    rows = [header]
+    for name in sorted(tiers):
+        t = tiers[name]
+        cells = [name]
+        for c in COLUMNS:
+            v = t.get(c, 0.0)
+            cells.append(f"{v:.3f}" if c in ("hit_rate", "usage") else f"{int(v):,}")
+        rows.append(cells)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+    return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                     for r in rows)
+
+
+def scrape(url: str, timeout: float = 5.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode()
+
+
+def run(args) -> int:
+    url = args.url if "://" in args.url else f"http://{args.url}"
+    if not url.rstrip("/").endswith("/metrics"):
+        url = url.rstrip("/") + "/metrics"
+    while True:
+        try:
+            table = format_table(parse_metrics(scrape(url)))
+        except OSError as e:
+            print(f"kvoffload stats: cannot scrape {url}: {e}", file=sys.stderr)
+            if args.once:
+                return 1
+            table = None
+        if table is not None:
+            if not args.once:
+                print("\x1b[2J\x1b[H", end="")  # clear screen for the live view
+            print(time.strftime("%H:%M:%S"), url)
+            print(table, flush=True)
+        if args.once:
+            return 0
+        time.sleep(args.interval)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("stats", help="live per-tier table from a kvoffload /metrics endpoint")
+    p.add_argument("url", help="host:port or URL of a /metrics endpoint (e.g. the replay's --metrics-port)")
+    p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
+    p.add_argument("--once", action="store_true", help="print one table and exit")
+    p.set_defaults(func=run)

@@ -1,0 +1,99 @@
+"""Metrics read back through a real HTTP scrape and prometheus_client's parser."""
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvoffload.abstractions import Locality, Medium, OffloadingStats
+from kvoffload.metrics import PrometheusMetrics, build_metric_definitions
+from kvoffload.stats import format_table, parse_metrics
+
+
+def scrape(port):
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        return r.read().decode()
+
+
+def samples(text):
+    out = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def tier_stats():
+    cpu = OffloadingStats("cpu", Medium.CPU, Locality.LOCAL,
+                          counters={"hits": 3, "misses": 1, "evictions": 2},
+                          gauges={"used_blocks": 10, "usage": 0.5})
+    disk = OffloadingStats("storage", Medium.STORAGE, Locality.LOCAL,
+                           counters={"hits": 1, "checksum_failures": 1}, gauges={"usage": 0.25})
+    return OffloadingStats("tiered", counters={}, children=[cpu, disk])
+
+
+def test_definitions_are_prefixed_and_typed():
+    defs = build_metric_definitions({})
+    assert all(name.startswith("kvoffload_") for name in defs)
+    assert "kvoffload_hits" in defs and "kvoffload_transfer_seconds" in defs
+    assert defs["kvoffload_hits"].labelnames == ("tier", "medium", "locality")
+
+
+def test_http_scrape_round_trip():
+    m = PrometheusMetrics(config_info={"policy": "lru", "cpu_bytes": 1 << 30})
+    port = m.serve(0)
+    try:
+        m.record_stats(tier_stats())
+        m.record_stats(tier_stats())  # counters accumulate deltas, gauges are set
+        m.observe_transfer("cpu", "store", 1 << 20, 0.001, "CPU", "LOCAL")
+        s = samples(scrape(port))
+    finally:
+        m.close()
+    cpu = (("locality", "LOCAL"), ("medium", "CPU"), ("tier", "cpu"))
+    assert s[("kvoffload_hits_total", cpu)] == 6
+    assert s[("kvoffload_evictions_total", cpu)] == 4
+    assert s[("kvoffload_used_blocks", cpu)] == 10
+    disk = (("locality", "LOCAL"), ("medium", "STORAGE"), ("tier", "storage"))
+    assert s[("kvoffload_checksum_failures_total", disk)] == 2
+    store = (("direction", "store"),) + cpu
+    assert s[("kvoffload_transfer_bytes_count", store)] == 1
+    assert s[("kvoffload_transfer_bytes_sum", store)] == 1 << 20
+    info = [k for k in s if k[0] == "kvoffload_config_info"]
+    assert info and ("policy", "lru") in info[0][1]
+
+
+def test_unknown_stat_is_still_exported():
+    m = PrometheusMetrics()
+    m.record_stats(OffloadingStats("cpu", Medium.CPU, Locality.LOCAL, counters={"weird_thing": 2}))
+    assert "kvoffload_weird_thing_total" in m.text()
+
+
+def test_stats_table_from_scrape():
+    m = PrometheusMetrics()
+    m.record_stats(tier_stats())
+    tiers = parse_metrics(m.text())
+    assert set(tiers) == {"cpu", "storage"}
+    assert tiers["cpu"]["hit_rate"] == pytest.approx(0.75)
+    table = format_table(tiers)
+    assert "cpu" in table.splitlines()[1] and "0.750" in table
+
+
+def test_stats_cli_once(capsys):
+    from kvoffload.cli import main
+
+    m = PrometheusMetrics()
+    port = m.serve(0)
+    try:
+        m.record_stats(tier_stats())
+        assert main(["stats", f"127.0.0.1:{port}", "--once"]) == 0
+    finally:
+        m.close()
+    out = capsys.readouterr().out
+    assert "storage" in out and "hit_rate" in out
+
+
+def test_stats_cli_unreachable(capsys):
+    from kvoffload.cli import main
+
+    assert main(["stats", "127.0.0.1:1", "--once"]) == 1
+    assert "cannot scrape" in capsys.readouterr().err
