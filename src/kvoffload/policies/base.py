@@ -1,0 +1,49 @@
+"""The eviction policy contract: which held, evictable key goes first.
+
+A policy only orders keys; the manager owns slots, pins and pending writes
+and tells the policy, through `can_evict`, which keys it may pick.
+Keys arrive in prefix order (head first). All else equal a policy evicts a
+prefix's tail before its head: every later request sharing the prefix needs
+the head, while the tail is only useful after the head.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar
+
+from kvoffload.abstractions import ReqContext
+from kvoffload.config import ConfigError
+
+
+class EvictionPolicy(ABC):
+    name: ClassVar[str]
+
+    def __init__(self, capacity: int):
+        if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity <= 0:
+            raise ConfigError(f"{type(self).__name__}: capacity must be a positive integer, got {capacity!r}")
+        self.capacity = capacity
+
+    @abstractmethod
+    def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        """Track newly stored keys (prefix order, head first)."""
+
+    @abstractmethod
+    def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        """Mark keys recently used (prefix order); unknown keys are ignored."""
+
+    @abstractmethod
+    def remove(self, key: bytes) -> None:
+        """Stop tracking a key (no-op if unknown)."""
+
+    @abstractmethod
+    def evict(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes] | None:
+        """Pick n victims with can_evict(key) True and stop tracking them.
+        If fewer than n are evictable return None and change nothing."""
+
+    @abstractmethod
+    def __len__(self) -> int: ...
+
+    @abstractmethod
+    def __contains__(self, key: object) -> bool: ...

@@ -1,0 +1,307 @@
+"""Scheduler-side bookkeeping of the CPU tier: which keys hold which host-pool
+slot, and whether each slot may be read or evicted.
+
+Per slot one int in a plain list (list indexing beats numpy scalars):
+    -1  being written: not readable, not evictable
+     0  readable, evictable
+    >0  readable, pinned by that many loads in flight
+plus a dict key -> slot and a free list of slots. No per-block objects.
+A key enters the eviction policy when its store completes, so the policy
+only ever sees readable keys; pending writes can never be picked.
+
+Other slot-based tiers (storage) reuse this class and override _make_spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+from kvoffload.abstractions import (
+    CPULoadStoreSpec,
+    LoadStoreSpec,
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingStats,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+)
+from kvoffload.config import ConfigError
+from kvoffload.keys import GROUP_BYTES, check_key
+from kvoffload.policies import get_policy_class
+
+PENDING = -1
+_HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+_NO_POSITION = float("inf")
+
+
+class BlockStateError(KeyError):
+    """A key is not in the state a call needs (not stored, not ready, not
+    pinned, no store in flight). Nothing was changed."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+def _as_keys(keys: Collection[OffloadKey]) -> list[bytes]:
+    """The keys as a list, each checked to be well-formed bytes."""
+    keys = keys if type(keys) is list else list(keys)
+    if keys and (set(map(type, keys)) != {bytes} or min(map(len, keys)) <= GROUP_BYTES):
+        for k in keys:
+            check_key(k)
+    return keys
+
+
+def prefix_order(keys: list[bytes], ctx: ReqContext | None) -> list[bytes]:
+    """Keys head first: by the request's end-token positions when it has them
+    (stores may complete out of order), else as given."""
+    if ctx is None:
+        return keys
+    positions = ctx._offload_key_positions  # read directly: hot path
+    if not positions:
+        return keys
+    get = positions.get
+    return sorted(keys, key=lambda k: get(k, _NO_POSITION))
+
+
+class CPUOffloadingManager(OffloadingManager):
+    def __init__(
+        self,
+        num_chunks: int,
+        policy: str = "lru",
+        enable_events: bool = False,
+        name: str = "cpu",
+        medium: Medium = Medium.CPU,
+        locality: Locality = Locality.LOCAL,
+    ):
+        if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks <= 0:
+            raise ConfigError(f"num_chunks must be a positive integer, got {num_chunks!r}")
+        self.num_chunks = num_chunks
+        self.name = name
+        self.medium = medium
+        self.locality = locality
+        self.policy = get_policy_class(policy)(num_chunks)
+        # Bytes per chunk, for the *_bytes counters; set by the spec (0: unknown).
+        self.chunk_bytes = 0
+        self._slot_of: dict[bytes, int] = {}
+        self._state: list[int] = [0] * num_chunks
+        self._free: list[int] = list(range(num_chunks - 1, -1, -1))  # pop() gives slot 0 first
+        self._num_pinned = 0  # slots with state > 0
+        self._num_pending = 0  # slots with state == PENDING
+        self._protected: set[bytes] = set()  # keys of the store being prepared
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._zero_counters()
+
+    def _zero_counters(self) -> None:
+        self._lookups = self._hits = self._hits_pending = 0
+        self._stored = self._loaded = self._evictions = 0
+        self._allocation_failures = self._dropped = 0
+
+    # ---- the spec a worker reads; storage tiers override --------------------
+
+    def _make_spec(self, slot_ids: list[int]) -> LoadStoreSpec:
+        return CPULoadStoreSpec(slot_ids)
+
+    # ---- lookups and loads --------------------------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
+        if type(key) is not bytes:
+            check_key(key)
+        self._lookups += 1
+        slot = self._slot_of.get(key)
+        if slot is None:
+            return _MISS
+        if self._state[slot] == PENDING:
+            self._hits_pending += 1
+            return _PENDING
+        self._hits += 1
+        return _HIT
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
+        keys = _as_keys(keys)
+        slot_of, state = self._slot_of, self._state
+        slots = [slot_of.get(k, -1) for k in keys]
+        for k, s in zip(keys, slots):
+            if s < 0:
+                raise BlockStateError(f"{self.name}: prepare_load of key {k!r} that is not stored")
+            if state[s] == PENDING:
+                raise BlockStateError(f"{self.name}: prepare_load of key {k!r} that is still being written")
+        newly_pinned = 0
+        for s in slots:
+            v = state[s]
+            if v == 0:
+                newly_pinned += 1
+            state[s] = v + 1
+        self._num_pinned += newly_pinned
+        return self._make_spec(slots)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
+        keys = _as_keys(keys)
+        self.policy.touch(prefix_order(keys, req_context), req_context)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
+        keys = _as_keys(keys)
+        slot_of, state = self._slot_of, self._state
+        slots = [slot_of.get(k, -1) for k in keys]
+        for k, s in zip(keys, slots):
+            if s < 0 or state[s] <= 0:
+                raise BlockStateError(f"{self.name}: complete_load of key {k!r} that has no load in flight")
+        unpinned = 0
+        for i, s in enumerate(slots):
+            v = state[s] - 1
+            if v < 0:  # a key listed more often than it was pinned: undo all
+                for s2 in slots[:i]:
+                    state[s2] += 1
+                raise BlockStateError(
+                    f"{self.name}: complete_load lists key {keys[i]!r} more often than it was loaded"
+                )
+            state[s] = v
+            if v == 0:
+                unpinned += 1
+        self._num_pinned -= unpinned
+        self._loaded += len(slots)
+
+    # ---- stores -------------------------------------------------------------
+
+    def _can_evict(self, key: bytes) -> bool:
+        return self._state[self._slot_of[key]] == 0 and key not in self._protected
+
+    def prepare_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext | None = None
+    ) -> PrepareStoreOutput | None:
+        keys = _as_keys(keys)
+        slot_of = self._slot_of
+        new = [k for k in keys if k not in slot_of]
+        if len(new) > 1:
+            new = list(dict.fromkeys(new))  # a key listed twice gets one slot
+        free = self._free
+        evicted: list[bytes] = []
+        need = len(new) - len(free)
+        if need > 0:
+            if len(new) < len(keys):  # the store's own stored keys stay
+                self._protected = {k for k in keys if k in slot_of}
+            try:
+                victims = self.policy.evict(need, self._can_evict)
+            finally:
+                self._protected = set()
+            if victims is None:
+                self._allocation_failures += 1
+                return None
+            evicted = victims
+            state = self._state
+            for k in victims:
+                s = slot_of.pop(k)
+                state[s] = 0
+                free.append(s)
+            self._evictions += len(victims)
+            if self._events is not None:
+                self._events.append(OffloadingEvent(list(victims), self.medium, True, self.locality))
+        state = self._state
+        slots = free[len(free) - len(new):]
+        del free[len(free) - len(new):]
+        slots.reverse()  # lowest slot to the first key, as free.pop() would
+        for k, s in zip(new, slots):
+            slot_of[k] = s
+            state[s] = PENDING
+        self._num_pending += len(new)
+        return PrepareStoreOutput(keys_to_store=new, store_spec=self._make_spec(slots), evicted_keys=evicted)
+
+    def complete_store(
+        self, keys: Collection[OffloadKey], req_context: ReqContext | None = None, success: bool = True
+    ) -> None:
+        keys = _as_keys(keys)
+        if not keys:
+            return
+        slot_of, state = self._slot_of, self._state
+        for k in keys:
+            if k not in slot_of:
+                raise BlockStateError(f"{self.name}: complete_store of key {k!r} that was never prepared")
+        pending = [k for k in keys if state[slot_of[k]] == PENDING]
+        if not pending:
+            raise BlockStateError(
+                f"{self.name}: complete_store of keys with no store in flight "
+                f"(already completed?), first {keys[0]!r}"
+            )
+        if len(pending) > 1:
+            pending = list(dict.fromkeys(pending))
+        self._num_pending -= len(pending)
+        if success:
+            for k in pending:
+                state[slot_of[k]] = 0
+            self.policy.insert(prefix_order(pending, req_context), req_context)
+            self._stored += len(pending)
+            if self._events is not None:
+                self._events.append(OffloadingEvent(pending, self.medium, False, self.locality))
+        else:
+            free = self._free
+            for k in pending:
+                s = slot_of.pop(k)
+                state[s] = 0
+                free.append(s)
+            self._dropped += len(pending)
+
+    # ---- requests, events, stats -------------------------------------------
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> None:
+        """Drop every readable, unpinned key. Pinned keys (loads in flight) and
+        pending writes keep their slots: a worker is still using them."""
+        state, free, policy = self._state, self._free, self.policy
+        dropped = [k for k, s in self._slot_of.items() if state[s] == 0]
+        for k in dropped:
+            free.append(self._slot_of.pop(k))
+            policy.remove(k)
+        if dropped and self._events is not None:
+            self._events.append(OffloadingEvent(dropped, self.medium, True, self.locality))
+
+    def get_stats(self) -> OffloadingStats:
+        used = self.num_chunks - len(self._free)
+        bpc = self.chunk_bytes
+        counters = {
+            "lookups": self._lookups,
+            "hits": self._hits,
+            "misses": self._lookups - self._hits - self._hits_pending,
+            "hits_pending": self._hits_pending,
+            "stored_blocks": self._stored,
+            "stored_bytes": self._stored * bpc,
+            "loaded_blocks": self._loaded,
+            "loaded_bytes": self._loaded * bpc,
+            "evictions": self._evictions,
+            "allocation_failures": self._allocation_failures,
+            "dropped_stores": self._dropped,
+        }
+        gauges = {
+            "used_blocks": used,
+            "capacity_blocks": self.num_chunks,
+            "pinned_blocks": self._num_pinned,
+            "pending_blocks": self._num_pending,
+            "usage": used / self.num_chunks,
+            "queue_depth": self._num_pending,
+        }
+        self._zero_counters()
+        return OffloadingStats(tier=self.name, medium=self.medium, locality=self.locality,
+                               counters=counters, gauges=gauges)
+
+    # ---- introspection (tests, tiers built on this one) ---------------------
+
+    def __len__(self) -> int:
+        """Keys held, pending writes included."""
+        return len(self._slot_of)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._slot_of
+
+    def slot_of(self, key: OffloadKey) -> int | None:
+        return self._slot_of.get(key)
