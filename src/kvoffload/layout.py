@@ -1,0 +1,427 @@
+"""The canonical page layout: KV blocks that do not depend on tensor parallelism.
+
+Under tensor parallelism each rank holds a slice of every layer's KV page
+(its share of the KV heads). The canonical page of a block is the page a
+single rank (TP=1) would hold for the same layer format: all heads, in the
+same axis order. A rank's CanonicalPageMapping lists the CopyRuns that place
+its slice inside that page, so a block stored at TP=2 loads at TP=1 or TP=4.
+
+Ranks that hold identical bytes (GQA with fewer KV heads than ranks, where
+heads are replicated; MLA, where every rank holds the same latent) take
+turns writing them, by block id (`is_writer`), so the canonical page is
+written once, not once per rank. Before a mapping is trusted, the mappings
+of every rank are derived and checked to tile the canonical page exactly
+once for every block; a layout that cannot be mapped falls back to an
+opaque per-rank page (parallelism_agnostic=False), which must then be kept
+apart per rank (see `parallel_layout_id`).
+
+Also here: refusal of model state we cannot offload (Mamba/SSM state,
+sparse-attention indexer caches) and the block range a sliding-window
+group needs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvoffload.abstractions import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    CanonicalPageMapping,
+    CopyRun,
+)
+from kvoffload.config import ConfigError
+
+logger = logging.getLogger(__name__)
+
+ATTENTION = "attention"  # K and V per head
+MLA = "mla"  # one compressed latent per token, identical on every rank
+UNSUPPORTED_KINDS = {
+    "mamba": "Mamba/SSM layers keep a recurrent state, not per-token KV blocks",
+    "ssm": "Mamba/SSM layers keep a recurrent state, not per-token KV blocks",
+    "linear_attention": "linear-attention layers keep a recurrent state, not per-token KV blocks",
+    "indexer": "sparse-attention indexer caches are not restored by the KV blocks",
+}
+
+
+class LayoutError(ValueError):
+    """A layer layout cannot be mapped to a canonical page (message says why)."""
+
+
+class UnsupportedModelError(ConfigError):
+    """The model has state we cannot offload correctly; offloading is refused."""
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """How one layer's KV page is laid out, independent of parallelism.
+
+    The local page of a block is, per axis order (outermost first):
+      attention, kv="split":  NHD (2, T, h, D)   HND (2, h, T, D)
+      attention, kv="packed": NHD (T, h, 2, D)   HND (h, T, 2, D)
+      mla:                    (T, D)  with D = latent size (kv_lora_rank + rope dim)
+    where T = block_size tokens, h = this rank's KV heads, D = head_dim.
+    """
+
+    block_size: int  # tokens per GPU block
+    num_kv_heads: int  # total over all ranks (1 for mla)
+    head_dim: int
+    dtype: torch.dtype
+    kind: str = ATTENTION
+    kv: str = "split"  # "split": K half then V half; "packed": K,V adjacent per head
+    order: str = "NHD"  # "NHD": tokens outside heads; "HND": heads outside tokens
+    kv_heads_per_rank: int | None = None  # what the engine allocated; None: the TP rule
+    name: str = ""  # layer name, for messages
+
+    @property
+    def layout_id(self) -> str:
+        """What must match for two deployments' canonical pages to agree."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.kind == MLA:
+            return f"mla:T{self.block_size}:D{self.head_dim}:{dtype}"
+        return f"{self.kind}:{self.kv}:{self.order}:T{self.block_size}:H{self.num_kv_heads}:D{self.head_dim}:{dtype}"
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Where this worker sits in tensor parallelism."""
+
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self):
+        if self.tp_size < 1 or not 0 <= self.tp_rank < self.tp_size:
+            raise ValueError(f"bad parallel layout: tp_rank={self.tp_rank}, tp_size={self.tp_size}")
+
+
+# ---------------------------------------------------------------- mappings
+
+
+def opaque_mapping(local_page_size_bytes: int) -> CanonicalPageMapping:
+    """This rank's page as is: every rank writes its own, never shared."""
+    n = local_page_size_bytes
+    run = CopyRun(0, 0, n, 1, n, n)
+    return CanonicalPageMapping(n, n, (run,), num_writers=1, writer_index=0, parallelism_agnostic=False)
+
+
+def _heads_of_rank(layer: LayerLayout, par: ParallelLayout) -> tuple[int, int, int, int]:
+    """(first head, heads held, num_writers, writer_index) of this rank,
+    following the usual TP rule: heads are split evenly when there are at
+    least as many as ranks, else each rank holds one head and tp/H ranks
+    share (replicate) each head."""
+    H, tp, r = layer.num_kv_heads, par.tp_size, par.tp_rank
+    if H >= tp:
+        if H % tp:
+            raise LayoutError(f"{H} KV heads do not split evenly over {tp} ranks")
+        h = H // tp
+        return r * h, h, 1, 0
+    if tp % H:
+        raise LayoutError(f"{tp} ranks do not replicate {H} KV heads evenly")
+    replicas = tp // H
+    return r // replicas, 1, replicas, r % replicas
+
+
+def page_shape(layer: LayerLayout, heads: int) -> tuple[int, ...]:
+    """Shape of one block's page holding `heads` KV heads (see LayerLayout)."""
+    T, D = layer.block_size, layer.head_dim
+    if layer.kind == MLA:
+        return (T, D)
+    nhd = layer.order == "NHD"
+    if layer.kv == "split":
+        return (2, T, heads, D) if nhd else (2, heads, T, D)
+    return (T, heads, 2, D) if nhd else (heads, T, 2, D)
+
+
+def _check_layer(layer: LayerLayout) -> None:
+    if layer.kind in UNSUPPORTED_KINDS:
+        raise UnsupportedModelError(
+            f"layer {layer.name or '?'} has kind {layer.kind!r}: {UNSUPPORTED_KINDS[layer.kind]}; "
+            "KV offloading would serve wrong state, so it is refused for this model")
+    if layer.kind not in (ATTENTION, MLA):
+        raise LayoutError(f"unknown layer kind {layer.kind!r}")
+    if layer.kind == ATTENTION:
+        if layer.kv not in ("split", "packed"):
+            raise LayoutError(f"kv must be 'split' or 'packed', got {layer.kv!r}")
+        if layer.order not in ("NHD", "HND"):
+            raise LayoutError(f"order must be 'NHD' or 'HND', got {layer.order!r}")
+    for field in ("block_size", "num_kv_heads", "head_dim"):
+        v = getattr(layer, field)
+        if not isinstance(v, int) or v <= 0:
+            raise LayoutError(f"{field} must be a positive integer, got {v!r}")
+
+
+def try_layer_mapping(layer: LayerLayout, par: ParallelLayout) -> CanonicalPageMapping:
+    """The mapping of this rank's page, or LayoutError saying why there is none.
+    Raises UnsupportedModelError for state we must not offload at all."""
+    _check_layer(layer)
+    elem = torch.empty((), dtype=layer.dtype).element_size()
+    if layer.kind == MLA:
+        n = math.prod(page_shape(layer, 1)) * elem
+        run = CopyRun(0, 0, n, 1, n, n)
+        return CanonicalPageMapping(n, n, (run,), num_writers=par.tp_size,
+                                    writer_index=par.tp_rank, parallelism_agnostic=True)
+    first, h, num_writers, writer_index = _heads_of_rank(layer, par)
+    if layer.kv_heads_per_rank is not None and layer.kv_heads_per_rank != h:
+        raise LayoutError(f"engine holds {layer.kv_heads_per_rank} KV heads per rank, "
+                          f"but {layer.num_kv_heads} heads over {par.tp_size} ranks give {h}")
+    shape = page_shape(layer, h)
+    if layer.kv == "split":
+        head_axis = 2 if layer.order == "NHD" else 1
+    else:
+        head_axis = 1 if layer.order == "NHD" else 0
+    outer = math.prod(shape[:head_axis])  # axes outside the heads flatten uniformly
+    inner = math.prod(shape[head_axis + 1:]) * elem  # bytes of one head's contiguous part
+    H = layer.num_kv_heads
+    run = CopyRun(local_offset=0, canonical_offset=first * inner, fragment_size=h * inner,
+                  num_fragments=outer, local_stride=h * inner, canonical_stride=H * inner)
+    return CanonicalPageMapping(canonical_page_size_bytes=outer * H * inner,
+                                local_page_size_bytes=outer * h * inner, runs=(run,),
+                                num_writers=num_writers, writer_index=writer_index,
+                                parallelism_agnostic=True)
+
+
+def layer_mapping(layer: LayerLayout, par: ParallelLayout,
+                  local_page_size_bytes: int | None = None) -> CanonicalPageMapping:
+    """This rank's mapping for one layer, verified against every other rank's.
+    Falls back to an opaque per-rank page (logged) when the layout cannot be
+    mapped, or when its local page size is not what the engine holds."""
+    try:
+        mapping = try_layer_mapping(layer, par)
+        everyone = [try_layer_mapping(layer, ParallelLayout(r, par.tp_size)) for r in range(par.tp_size)]
+        verify_tiling(everyone)
+        if local_page_size_bytes is not None and local_page_size_bytes != mapping.local_page_size_bytes:
+            raise LayoutError(f"engine page is {local_page_size_bytes} bytes, "
+                              f"layout gives {mapping.local_page_size_bytes}")
+        return mapping
+    except LayoutError as e:
+        if local_page_size_bytes is None:
+            raise
+        logger.warning("layer %s: no canonical mapping (%s); storing an opaque per-rank page",
+                       layer.name or "?", e)
+        return opaque_mapping(local_page_size_bytes)
+
+
+# ---------------------------------------------------------------- tiling check
+
+
+def _coverage(page_size: int, ranges: list[tuple[int, int, int, int]]) -> np.ndarray:
+    """How many times each byte of a page is covered by (offset, size, n, stride) runs."""
+    diff = np.zeros(page_size + 1, dtype=np.int32)
+    for offset, size, n, stride in ranges:
+        starts = offset + np.arange(n, dtype=np.int64) * stride
+        if n and (starts.min() < 0 or size < 0 or starts.max() + size > page_size):
+            raise LayoutError(f"run at offset {offset} (size {size} x {n}, stride {stride}) "
+                              f"leaves the {page_size}-byte page")
+        np.add.at(diff, starts, 1)
+        np.add.at(diff, starts + size, -1)
+    return np.cumsum(diff[:-1])
+
+
+def _expect_once(counts: np.ndarray, what: str) -> None:
+    bad = np.flatnonzero(counts != 1)
+    if bad.size:
+        i = int(bad[0])
+        kind = "gap" if counts[i] == 0 else "overlap"
+        raise LayoutError(f"{what}: {kind} at byte {i} (covered {int(counts[i])} times)")
+
+
+def verify_tiling(mappings: Sequence[CanonicalPageMapping]) -> None:
+    """Check the mappings of all ranks of one layer: each rank's runs cover its
+    own page exactly once, and for every block the writers of that block
+    cover the canonical page exactly once (no gap, no overlap)."""
+    if not mappings:
+        raise LayoutError("no mappings to verify")
+    size = mappings[0].canonical_page_size_bytes
+    for rank, m in enumerate(mappings):
+        if m.canonical_page_size_bytes != size:
+            raise LayoutError(f"rank {rank}: canonical page is {m.canonical_page_size_bytes} bytes, "
+                              f"rank 0 says {size}")
+        if not 0 <= m.writer_index < m.num_writers:
+            raise LayoutError(f"rank {rank}: writer_index {m.writer_index} of {m.num_writers} writers")
+        local = [(r.local_offset, r.fragment_size, r.num_fragments, r.local_stride) for r in m.runs]
+        _expect_once(_coverage(m.local_page_size_bytes, local), f"rank {rank} local page")
+    period = math.lcm(*(m.num_writers for m in mappings))
+    for block in range(period):
+        ranges = [(r.canonical_offset, r.fragment_size, r.num_fragments, r.canonical_stride)
+                  for m in mappings if m.is_writer(block) for r in m.runs]
+        _expect_once(_coverage(size, ranges), f"canonical page of block {block}")
+
+
+# ---------------------------------------------------------------- copying
+
+
+def _common_width(mapping: CanonicalPageMapping, *rows: torch.Tensor) -> int:
+    """The widest integer size (8, 4, 2, 1 bytes) every run offset, stride and
+    size and every row address is a multiple of: wide elements copy faster."""
+    g = 8
+    for t in rows:
+        if t.dtype != torch.uint8 or t.dim() != 2 or t.stride(1) != 1:
+            raise ValueError(f"pages must be uint8 rows (n, bytes), each contiguous; got "
+                             f"{t.dtype} {tuple(t.shape)} strides {t.stride()}")
+        g = math.gcd(g, t.stride(0), t.shape[1], t.data_ptr())
+    for r in mapping.runs:
+        g = math.gcd(g, r.local_offset, r.canonical_offset, r.fragment_size, r.local_stride,
+                     r.canonical_stride)
+    return g
+
+
+_INT_OF_WIDTH = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
+
+
+def _run_view(rows: torch.Tensor, offset: int, stride: int, run: CopyRun, width: int) -> torch.Tensor:
+    """The (n, num_fragments, fragment) strided view of one run in every row."""
+    rows = rows.view(_INT_OF_WIDTH[width])
+    return rows.as_strided((rows.shape[0], run.num_fragments, run.fragment_size // width),
+                           (rows.stride(0), stride // width, 1),
+                           rows.storage_offset() + offset // width)
+
+
+def _check_rows(mapping: CanonicalPageMapping, local: torch.Tensor, canonical: torch.Tensor) -> int:
+    if local.shape[0] != canonical.shape[0]:
+        raise ValueError(f"{local.shape[0]} local pages but {canonical.shape[0]} canonical pages")
+    if local.shape[1] < mapping.local_page_size_bytes or canonical.shape[1] < mapping.canonical_page_size_bytes:
+        raise ValueError(f"pages too small: local {local.shape[1]} bytes (need {mapping.local_page_size_bytes}),"
+                         f" canonical {canonical.shape[1]} (need {mapping.canonical_page_size_bytes})")
+    return _common_width(mapping, local, canonical)
+
+
+def store_pages(mapping: CanonicalPageMapping, local: torch.Tensor, canonical: torch.Tensor) -> None:
+    """Copy local pages into their canonical pages (row i -> row i). Rows are
+    uint8 (n, bytes) views with any row stride (e.g. a pool chunk's pages).
+    One strided copy per run for the whole batch, no temporaries. Choosing
+    which blocks this rank writes (`is_writer`) is the caller's."""
+    w = _check_rows(mapping, local, canonical)
+    for r in mapping.runs:
+        _run_view(canonical, r.canonical_offset, r.canonical_stride, r, w).copy_(
+            _run_view(local, r.local_offset, r.local_stride, r, w))
+
+
+def load_pages(mapping: CanonicalPageMapping, canonical: torch.Tensor, local: torch.Tensor) -> None:
+    """Copy this rank's part of canonical pages into local pages (row i -> row i)."""
+    w = _check_rows(mapping, local, canonical)
+    for r in mapping.runs:
+        _run_view(local, r.local_offset, r.local_stride, r, w).copy_(
+            _run_view(canonical, r.canonical_offset, r.canonical_stride, r, w))
+
+
+# ---------------------------------------------------------------- engine tensors
+
+
+def block_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """An engine KV tensor (num_blocks, ...) as uint8 rows, one (possibly
+    padded) page per block, sharing its memory."""
+    if tensor.dim() < 1 or tensor.shape[0] == 0:
+        raise LayoutError(f"KV tensor must have a leading num_blocks dimension, got {tuple(tensor.shape)}")
+    per_block = tensor[0]
+    if not per_block.is_contiguous():
+        raise LayoutError(f"a block's page is not contiguous (shape {tuple(tensor.shape)}, "
+                          f"strides {tensor.stride()}): num_blocks must be the outermost dimension")
+    nb, elem = tensor.shape[0], tensor.element_size()
+    page = per_block.numel() * elem
+    stride = tensor.stride(0) * elem if nb > 1 else page
+    if stride < page:
+        raise LayoutError(f"KV tensor blocks overlap: stride {stride} bytes < page {page} bytes")
+    start = tensor.storage_offset() * elem
+    room = tensor.untyped_storage().nbytes() - start - (nb - 1) * stride  # bytes the last row may use
+    if room < page:
+        raise LayoutError("KV tensor rows run past its storage")
+    width = min(stride, room)  # padded page, unless the last block's padding is not allocated
+    flat = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+    return flat.as_strided((nb, width), (stride, 1), start)
+
+
+def layer_ref_mapping(tensor: torch.Tensor, layer: LayerLayout, par: ParallelLayout) -> CanonicalPageMapping:
+    """The mapping of an engine tensor's layer, checked against its shape:
+    falls back to opaque when the tensor does not hold the layout it claims."""
+    page_bytes = tensor[0].numel() * tensor.element_size()
+    try:
+        _check_layer(layer)
+        if tensor.dtype != layer.dtype and tensor.dtype not in (torch.uint8, torch.int8):
+            raise LayoutError(f"tensor dtype {tensor.dtype} is not the layer's {layer.dtype}")
+        if tensor.dim() > 2 and tensor.dtype == layer.dtype:
+            heads = 1 if layer.kind == MLA else _heads_of_rank(layer, par)[1]
+            expected = page_shape(layer, heads)
+            if tuple(tensor.shape[1:]) != expected:
+                raise LayoutError(f"tensor block shape {tuple(tensor.shape[1:])} is not the "
+                                  f"{layer.layout_id} page shape {expected}")
+    except LayoutError as e:
+        logger.warning("layer %s: no canonical mapping (%s); storing an opaque per-rank page",
+                       layer.name or "?", e)
+        return opaque_mapping(page_bytes)
+    return layer_mapping(layer, par, page_bytes)
+
+
+def canonical_kv_caches(layers: Sequence[tuple[torch.Tensor, LayerLayout]],
+                        groups: Sequence[Sequence[int]], par: ParallelLayout) -> CanonicalKVCaches:
+    """CanonicalKVCaches from per-layer engine tensors (num_blocks, ...) and
+    the layer indices of each KV group, with each ref's mapping filled in.
+    Layers sharing one tensor share its CanonicalKVCacheTensor. Refuses
+    (UnsupportedModelError) models with state we cannot offload."""
+    check_offloadable([layer for _, layer in layers])
+    tensors: list[CanonicalKVCacheTensor] = []
+    index_of: dict[tuple[int, tuple[int, ...]], int] = {}
+    refs: list[CanonicalKVCacheRef] = []
+    for tensor, layer in layers:
+        ident = (tensor.data_ptr(), tuple(tensor.shape))
+        if ident not in index_of:
+            rows = block_rows(tensor)
+            index_of[ident] = len(tensors)
+            tensors.append(CanonicalKVCacheTensor(rows, rows.shape[1]))
+        mapping = layer_ref_mapping(tensor, layer, par)
+        refs.append(CanonicalKVCacheRef(index_of[ident], mapping.local_page_size_bytes, mapping))
+    return CanonicalKVCaches(tensors, [[refs[i] for i in g] for g in groups])
+
+
+# ---------------------------------------------------------------- model checks and ids
+
+
+def check_offloadable(layers: Sequence[LayerLayout]) -> None:
+    """Refuse models whose state the KV blocks do not fully capture."""
+    for layer in layers:
+        if layer.kind in UNSUPPORTED_KINDS:
+            _check_layer(layer)
+
+
+def is_agnostic(kv_caches: CanonicalKVCaches) -> bool:
+    """True when every ref has a canonical, parallelism-free mapping."""
+    refs = [r for g in kv_caches.group_data_refs for r in g]
+    return bool(refs) and all(r.mapping is not None and r.mapping.parallelism_agnostic for r in refs)
+
+
+def parallel_layout_id(kv_caches: CanonicalKVCaches, par: ParallelLayout) -> str:
+    """Namespace.parallel_layout: "agnostic" when any TP layout may share the
+    stored blocks, else an id that keeps each rank's opaque pages apart."""
+    return "agnostic" if is_agnostic(kv_caches) else f"tp{par.tp_size}-rank{par.tp_rank}"
+
+
+def canonical_layout_id(layers: Sequence[LayerLayout]) -> str:
+    """Namespace.layout: a short id of every layer's canonical page format."""
+    blob = "|".join(layer.layout_id for layer in layers).encode()
+    return "canon-" + hashlib.sha256(blob).hexdigest()[:12]
+
+
+# ---------------------------------------------------------------- sliding windows
+
+
+def window_block_indices(num_tokens: int, tokens_per_block: int, sliding_window: int | None) -> range:
+    """Indices (within the request) of the full blocks a group needs so that
+    computation can resume after `num_tokens` tokens. Full attention needs all
+    of them; a sliding window of W tokens only the blocks holding the last
+    W-1 tokens (the next token attends to itself and the W-1 before it)."""
+    if num_tokens < 0 or tokens_per_block <= 0:
+        raise ValueError(f"bad num_tokens={num_tokens} or tokens_per_block={tokens_per_block}")
+    end = num_tokens // tokens_per_block  # only full blocks are offloaded
+    if sliding_window is None:
+        return range(0, end)
+    if sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    first = max(0, num_tokens - sliding_window + 1) // tokens_per_block
+    return range(min(first, end), end)

@@ -1,0 +1,269 @@
+"""Canonical page mappings: derivation, tiling check, fallback, copies, refusals, windows."""
+
+import dataclasses
+from collections import Counter
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from layout_ref import full_cache, rows, shard
+
+from kvoffload.abstractions import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CanonicalKVCacheTensor,
+    CopyRun,
+)
+from kvoffload.config import ConfigError
+from kvoffload.layout import (
+    MLA,
+    LayerLayout,
+    LayoutError,
+    ParallelLayout,
+    UnsupportedModelError,
+    block_rows,
+    canonical_kv_caches,
+    canonical_layout_id,
+    layer_mapping,
+    layer_ref_mapping,
+    load_pages,
+    opaque_mapping,
+    parallel_layout_id,
+    store_pages,
+    try_layer_mapping,
+    verify_tiling,
+    window_block_indices,
+)
+
+FORMATS = [("split", "NHD"), ("split", "HND"), ("packed", "NHD"), ("packed", "HND")]
+
+
+def all_ranks(layer, tp):
+    return [try_layer_mapping(layer, ParallelLayout(r, tp)) for r in range(tp)]
+
+
+def store_all_ranks_then_load_each(layer, tp, num_blocks=5):
+    """Every rank stores the blocks it writes; then every rank loads all
+    blocks back. Returns (canonical pages, TP=1 pages, per-rank results)."""
+    full = full_cache(layer, num_blocks, seed=tp)
+    maps = all_ranks(layer, tp)
+    canon = torch.zeros(num_blocks, maps[0].canonical_page_size_bytes, dtype=torch.uint8)
+    for r, m in enumerate(maps):
+        local = rows(shard(full, layer, ParallelLayout(r, tp)))
+        for b in range(num_blocks):
+            if m.is_writer(b):
+                store_pages(m, local[b:b + 1], canon[b:b + 1])
+    loaded = []
+    for r, m in enumerate(maps):
+        want = rows(shard(full, layer, ParallelLayout(r, tp)))
+        got = torch.zeros_like(want)
+        load_pages(m, canon, got)
+        loaded.append((got, want))
+    return canon, rows(full), loaded
+
+
+@pytest.mark.parametrize("kv,order", FORMATS)
+def test_tp1_is_identity(kv, order):
+    layer = LayerLayout(16, 4, 64, torch.float16, kv=kv, order=order)
+    m = layer_mapping(layer, ParallelLayout(0, 1))
+    assert m.canonical_page_size_bytes == m.local_page_size_bytes == 2 * 16 * 4 * 64 * 2
+    assert m.parallelism_agnostic and m.num_writers == 1
+    canon, full, [(got, want)] = store_all_ranks_then_load_each(layer, 1)
+    assert torch.equal(canon, full) and torch.equal(got, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(heads=st.sampled_from([1, 2, 3, 4, 6, 8]), tp=st.sampled_from([1, 2, 3, 4, 8]),
+       head_dim=st.sampled_from([1, 3, 8, 64]), block_size=st.sampled_from([1, 2, 16]),
+       fmt=st.sampled_from(FORMATS), dtype=st.sampled_from([torch.int8, torch.bfloat16, torch.float32]))
+def test_any_mappable_layout_round_trips(heads, tp, head_dim, block_size, fmt, dtype):
+    layer = LayerLayout(block_size, heads, head_dim, dtype, kv=fmt[0], order=fmt[1])
+    if (heads >= tp and heads % tp) or (heads < tp and tp % heads):
+        with pytest.raises(LayoutError):
+            try_layer_mapping(layer, ParallelLayout(0, tp))
+        return
+    verify_tiling(all_ranks(layer, tp))
+    canon, full, loaded = store_all_ranks_then_load_each(layer, tp, num_blocks=3)
+    assert torch.equal(canon, full)  # the canonical page is the TP=1 page
+    for got, want in loaded:
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_mla_every_rank_writes_a_share(tp):
+    layer = LayerLayout(16, 1, 576, torch.bfloat16, kind=MLA)
+    maps = all_ranks(layer, tp)
+    assert [m.writer_index for m in maps] == list(range(tp))
+    assert all(m.num_writers == tp and m.canonical_page_size_bytes == 16 * 576 * 2 for m in maps)
+    writes = Counter(r for b in range(400) for r, m in enumerate(maps) if m.is_writer(b))
+    assert set(writes.values()) == {400 // tp}
+    canon, full, loaded = store_all_ranks_then_load_each(layer, tp, num_blocks=2 * tp)
+    assert torch.equal(canon, full)
+    assert all(torch.equal(g, w) for g, w in loaded)
+
+
+def test_gqa_replicated_heads_rotate_writers_evenly():
+    layer = LayerLayout(16, 2, 128, torch.bfloat16)  # 2 KV heads, 8 ranks: 4 replicas per head
+    maps = all_ranks(layer, 8)
+    assert [(m.num_writers, m.writer_index) for m in maps] == [(4, i % 4) for i in range(8)]
+    writes = Counter(r for b in range(1000) for r, m in enumerate(maps) if m.is_writer(b))
+    assert sorted(writes.values()) == [250] * 8
+    for b in range(8):  # each block: exactly one writer per head
+        assert sum(m.is_writer(b) for m in maps) == 2
+
+
+def test_tiling_rejects_gap_and_overlap():
+    layer = LayerLayout(16, 8, 64, torch.float16)
+    maps = all_ranks(layer, 4)
+    verify_tiling(maps)
+    with pytest.raises(LayoutError, match="gap at byte"):
+        verify_tiling(maps[:3])  # a missing rank leaves its heads uncovered
+    with pytest.raises(LayoutError, match="overlap"):
+        verify_tiling([maps[0], maps[0], maps[2], maps[3]])  # rank 0's heads twice
+    shifted = dataclasses.replace(maps[1].runs[0], canonical_offset=maps[1].runs[0].canonical_offset + 2)
+    with pytest.raises(LayoutError, match="overlap|gap"):
+        verify_tiling([maps[0], dataclasses.replace(maps[1], runs=(shifted,)), maps[2], maps[3]])
+    mla = all_ranks(LayerLayout(16, 1, 64, torch.float16, kind=MLA), 2)
+    with pytest.raises(LayoutError, match="overlap"):  # both ranks writing every block
+        verify_tiling([dataclasses.replace(m, num_writers=1, writer_index=0) for m in mla])
+    with pytest.raises(LayoutError, match="writer_index"):
+        verify_tiling([dataclasses.replace(mla[0], writer_index=2)])
+
+
+def test_tiling_rejects_runs_out_of_page_and_local_gaps():
+    n = 64
+    ok = opaque_mapping(n)
+    verify_tiling([ok])
+    past_end = dataclasses.replace(ok, runs=(CopyRun(8, 8, n, 1, n, n),))
+    with pytest.raises(LayoutError, match="leaves the"):
+        verify_tiling([past_end])
+    half = dataclasses.replace(ok, runs=(CopyRun(0, 0, 32, 1, 32, 32), CopyRun(0, 32, 32, 1, 32, 32)))
+    with pytest.raises(LayoutError, match="local page: overlap"):
+        verify_tiling([half])
+
+
+def test_unmappable_layout_falls_back_to_opaque():
+    layer = LayerLayout(16, 6, 64, torch.float16)  # 6 heads do not split over 4 ranks
+    with pytest.raises(LayoutError, match="do not split evenly"):
+        layer_mapping(layer, ParallelLayout(1, 4))
+    m = layer_mapping(layer, ParallelLayout(1, 4), local_page_size_bytes=1234)
+    assert m == opaque_mapping(1234) and not m.parallelism_agnostic
+    # engine allocated other than the TP rule says
+    odd = dataclasses.replace(layer, num_kv_heads=8, kv_heads_per_rank=3)
+    assert not layer_mapping(odd, ParallelLayout(0, 4), 4096).parallelism_agnostic
+    # engine page size disagrees with the layout
+    good = dataclasses.replace(layer, num_kv_heads=8)
+    assert not layer_mapping(good, ParallelLayout(0, 4), 999).parallelism_agnostic
+
+
+def test_tensor_shape_decides_mapping():
+    layer = LayerLayout(16, 8, 64, torch.bfloat16)
+    par = ParallelLayout(1, 2)
+    good = torch.zeros(4, 2, 16, 4, 64, dtype=torch.bfloat16)
+    assert layer_ref_mapping(good, layer, par) == try_layer_mapping(layer, par)
+    as_bytes = torch.zeros(4, 2 * 16 * 4 * 64 * 2, dtype=torch.uint8)  # already byte rows
+    assert layer_ref_mapping(as_bytes, layer, par).parallelism_agnostic
+    wrong_order = torch.zeros(4, 2, 4, 16, 64, dtype=torch.bfloat16)  # HND, layer says NHD
+    m = layer_ref_mapping(wrong_order, layer, par)
+    assert not m.parallelism_agnostic and m.local_page_size_bytes == good[0].numel() * 2
+    wrong_dtype = torch.zeros(4, 2, 16, 4, 64, dtype=torch.float32)
+    assert not layer_ref_mapping(wrong_dtype, layer, par).parallelism_agnostic
+
+
+def test_block_rows_share_memory_and_keep_padding():
+    padded = torch.zeros(5, 40, dtype=torch.float16)[:, :32]  # 64-byte pages, 80-byte stride
+    r = block_rows(padded)
+    assert r.shape == (5, 80) and r.stride() == (80, 1)
+    r[2, :64] = 7
+    assert (padded[2].view(torch.uint8) == 7).all() and (padded[1] == 0).all()
+    with pytest.raises(LayoutError, match="not contiguous"):
+        block_rows(torch.zeros(2, 4, 8).transpose(0, 1))  # (4, 2, 8): blocks not outermost
+
+
+def test_canonical_kv_caches_and_namespace_ids():
+    gqa = LayerLayout(16, 8, 64, torch.bfloat16, name="layers.0")
+    mla = LayerLayout(16, 1, 96, torch.bfloat16, kind=MLA, name="layers.1")
+    par = ParallelLayout(1, 2)
+    t0 = torch.zeros(6, 2, 16, 4, 64, dtype=torch.bfloat16)
+    t1 = torch.zeros(6, 16, 96, dtype=torch.bfloat16)
+    kv = canonical_kv_caches([(t0, gqa), (t1, mla), (t0, gqa)], [[0, 2], [1]], par)
+    assert len(kv.tensors) == 2  # layers sharing a tensor share its entry
+    assert [[r.tensor_idx for r in g] for g in kv.group_data_refs] == [[0, 0], [1]]
+    assert kv.group_data_refs[0][0].page_size_bytes == t0[0].numel() * 2
+    assert kv.group_data_refs[1][0].mapping.num_writers == 2
+    assert parallel_layout_id(kv, par) == "agnostic"
+    kv.group_data_refs[1][0].mapping = opaque_mapping(t1[0].numel() * 2)
+    assert parallel_layout_id(kv, par) == "tp2-rank1"
+    uncertified = CanonicalKVCaches([CanonicalKVCacheTensor(block_rows(t1), 3072)],
+                                    [[CanonicalKVCacheRef(0, 3072)]])
+    assert parallel_layout_id(uncertified, ParallelLayout()) == "tp1-rank0"
+    hnd = dataclasses.replace(gqa, order="HND")
+    assert canonical_layout_id([gqa, mla]) != canonical_layout_id([hnd, mla])
+    assert canonical_layout_id([gqa, mla]) == canonical_layout_id([gqa, mla])
+
+
+@pytest.mark.parametrize("kind", ["mamba", "ssm", "indexer", "linear_attention"])
+def test_state_we_cannot_offload_is_refused(kind):
+    bad = LayerLayout(16, 1, 64, torch.bfloat16, kind=kind, name="model.layers.3.mixer")
+    ok = LayerLayout(16, 8, 64, torch.bfloat16)
+    t = torch.zeros(2, 2, 16, 8, 64, dtype=torch.bfloat16)
+    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.3\.mixer.*refused") as e:
+        canonical_kv_caches([(t, ok), (t, bad)], [[0], [1]], ParallelLayout())
+    assert isinstance(e.value, ConfigError)
+    with pytest.raises(UnsupportedModelError):
+        layer_mapping(bad, ParallelLayout(), 4096)  # never an opaque fallback either
+
+
+def test_unknown_kind_or_format_is_a_layout_error():
+    for bad in (dict(kind="conv"), dict(kv="interleaved"), dict(order="THD"), dict(head_dim=0)):
+        with pytest.raises(LayoutError):
+            layer = dataclasses.replace(LayerLayout(16, 8, 64, torch.float16), **bad)
+            try_layer_mapping(layer, ParallelLayout())
+
+
+def test_copies_respect_row_strides_and_odd_sizes():
+    # int8, head_dim 3: fragments of 3 bytes, so byte-wide copies; pages in
+    # rows of a wider buffer (like pages inside pool chunks).
+    layer = LayerLayout(4, 4, 3, torch.int8, order="NHD")
+    full = full_cache(layer, 3)
+    par = ParallelLayout(1, 2)
+    m = try_layer_mapping(layer, par)
+    local = rows(shard(full, layer, par))
+    buf = torch.full((3, m.canonical_page_size_bytes + 13), 0xAA, dtype=torch.uint8)
+    canon = buf[:, 5:5 + m.canonical_page_size_bytes]
+    store_pages(m, local, canon)
+    assert (buf[:, :5] == 0xAA).all() and (buf[:, 5 + m.canonical_page_size_bytes:] == 0xAA).all()
+    back = torch.zeros_like(local)
+    load_pages(m, canon, back)
+    assert torch.equal(back, local)
+    with pytest.raises(ValueError, match="pages too small"):
+        store_pages(m, local[:, :-1], canon)
+    with pytest.raises(ValueError, match="local pages but"):
+        store_pages(m, local[:2], canon)
+    with pytest.raises(ValueError, match="uint8 rows"):
+        store_pages(m, local.view(torch.int8), canon)
+
+
+def test_window_block_indices():
+    assert window_block_indices(100, 16, None) == range(0, 6)
+    # window 48: the next token (position 100) sees positions 53..100
+    assert window_block_indices(100, 16, 48) == range(3, 6)
+    assert window_block_indices(96, 16, 48) == range(3, 6)  # positions 49..95 -> blocks 3..5
+    assert window_block_indices(96, 16, 49) == range(3, 6)  # 48..95
+    assert window_block_indices(96, 16, 50) == range(2, 6)  # 47..95
+    assert window_block_indices(10, 16, 4) == range(0, 0)  # no full block yet
+    assert window_block_indices(0, 16, None) == range(0, 0)
+    with pytest.raises(ValueError):
+        window_block_indices(10, 16, 0)
+    with pytest.raises(ValueError):
+        window_block_indices(-1, 16, None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 2000), bs=st.integers(1, 64), w=st.integers(1, 500))
+def test_window_holds_exactly_the_tokens_attended(n, bs, w):
+    got = window_block_indices(n, bs, w)
+    full_blocks = n // bs
+    needed = {p // bs for p in range(max(0, n - w + 1), n) if p // bs < full_blocks}
+    assert set(got) == needed
