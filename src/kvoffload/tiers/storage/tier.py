@@ -1,0 +1,64 @@
+"""The storage tier as a SecondaryTier: opens the directory (clear errors at
+start-up), then hands out its manager and, once the host pool exists, its
+worker."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvoffload.abstractions import Locality, Medium
+from kvoffload.config import ConfigError, check_known_keys, parse_bytes, positive_int
+from kvoffload.tiers.base import HostPool, Namespace, SecondaryTier
+from kvoffload.tiers.storage.manager import StorageOffloadingManager
+from kvoffload.tiers.storage.store import SlabStore
+from kvoffload.tiers.storage.worker import StorageWorker
+
+CONFIG_KEYS = ("path", "capacity_bytes", "eviction_policy", "num_files", "io_threads", "direct_io")
+
+
+class StorageTier(SecondaryTier):
+    medium = Medium.STORAGE
+    locality = Locality.LOCAL
+
+    def __init__(self, path: str, capacity_bytes: int, slot_bytes: int, namespace: Namespace,
+                 eviction_policy: str = "lru", num_files: int = 4, io_threads: int = 4,
+                 direct_io: bool = True, enable_events: bool = False, name: str = "storage"):
+        self.name = name
+        self.io_threads = io_threads
+        self.store = SlabStore(path, namespace, slot_bytes, capacity_bytes // slot_bytes,
+                               num_files=num_files, direct_io=direct_io)
+        self._manager = StorageOffloadingManager(self.store, eviction_policy, enable_events, name)
+        self._worker: StorageWorker | None = None
+
+    @classmethod
+    def from_config(cls, conf: dict[str, Any], ctx) -> StorageTier:
+        """Build from one `secondary_tiers` entry (tier-level keys already removed)."""
+        where = f"secondary_tiers[{ctx.index}] (storage)"
+        check_known_keys(conf, CONFIG_KEYS, where)
+        if not conf.get("path"):
+            raise ConfigError(f"{where}: path is required (a directory for the slab files)")
+        if "capacity_bytes" not in conf:
+            raise ConfigError(f"{where}: capacity_bytes is required")
+        direct_io = conf.get("direct_io", True)
+        if not isinstance(direct_io, bool):
+            raise ConfigError(f"{where}: direct_io must be true or false, got {direct_io!r}")
+        return cls(
+            path=str(conf["path"]),
+            capacity_bytes=parse_bytes(conf["capacity_bytes"], f"{where}.capacity_bytes"),
+            slot_bytes=ctx.chunk_bytes,
+            namespace=ctx.namespace,
+            eviction_policy=str(conf.get("eviction_policy", "lru")),
+            num_files=positive_int(conf.get("num_files", 4), f"{where}.num_files"),
+            io_threads=positive_int(conf.get("io_threads", 4), f"{where}.io_threads"),
+            direct_io=direct_io,
+            enable_events=ctx.enable_events,
+            name=ctx.name,
+        )
+
+    def get_manager(self) -> StorageOffloadingManager:
+        return self._manager
+
+    def get_worker(self, pool: HostPool) -> StorageWorker:
+        if self._worker is None:
+            self._worker = StorageWorker(self.store, pool, self.io_threads)
+        return self._worker

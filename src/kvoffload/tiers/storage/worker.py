@@ -1,0 +1,189 @@
+"""Moves whole chunks between host-pool slots and slab-file slots with
+O_DIRECT, on a small pool of IO threads.
+
+Host-pool chunks are page-aligned and a multiple of 4 KiB, so they are read
+and written in place (no bounce buffer). A job is split into one task per
+IO thread; the last task to finish completes the job:
+- store: fdatasync the slabs it touched, then publish its index entries
+  (a block is visible only once its bytes are durable);
+- load: each chunk's xxhash is checked against the index as it is read; a
+  mismatch fails the job and the slot is reported corrupt (a miss, never
+  served).
+IO errors fail the job (the tiering manager turns that into a miss or a
+dropped store) and never raise into the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections import deque
+
+import xxhash
+
+from kvoffload.abstractions import CPULoadStoreSpec, LoadStoreSpec, TransferResult
+from kvoffload.tiers.base import HostPool, TierWorker
+from kvoffload.tiers.storage.manager import StorageLoadStoreSpec
+from kvoffload.tiers.storage.store import SlabStore
+
+log = logging.getLogger(__name__)
+
+
+class _Job:
+    __slots__ = ("job_id", "is_store", "slots", "chunks", "keys", "checksums",
+                 "remaining", "ok", "start", "lock")
+
+    def __init__(self, job_id, is_store, slots, chunks, keys, parts):
+        self.job_id = job_id
+        self.is_store = is_store
+        self.slots = slots
+        self.chunks = chunks
+        self.keys = keys
+        self.checksums = [0] * len(slots)
+        self.remaining = parts
+        self.ok = True
+        self.start = time.perf_counter()
+        self.lock = threading.Lock()
+
+
+class StorageWorker(TierWorker):
+    def __init__(self, store: SlabStore, pool: HostPool, io_threads: int = 4):
+        if pool.chunk_bytes != store.slot_bytes:
+            raise ValueError(f"host pool chunks are {pool.chunk_bytes} bytes but storage slots "
+                             f"are {store.slot_bytes}: build both from the same chunk size")
+        self.store = store
+        self.pool = pool
+        self.io_threads = max(1, io_threads)
+        self._tasks: queue.SimpleQueue = queue.SimpleQueue()
+        self._finished: deque[TransferResult] = deque()
+        self._done = threading.Condition()
+        self._in_flight: set[int] = set()
+        self._threads = [threading.Thread(target=self._run, name=f"kvoffload-storage-io-{i}",
+                                          daemon=True) for i in range(self.io_threads)]
+        for t in self._threads:
+            t.start()
+
+    # --- TierWorker ---
+
+    def submit_store(self, job_id: int, src: CPULoadStoreSpec, dst: LoadStoreSpec) -> bool:
+        """Write host chunks src to the slots of dst (a StorageLoadStoreSpec
+        carrying the keys, which the index records)."""
+        assert isinstance(dst, StorageLoadStoreSpec) and dst.keys is not None
+        return self._submit(job_id, True, dst.block_ids, src.block_ids, dst.keys)
+
+    def submit_load(self, job_id: int, src: LoadStoreSpec, dst: CPULoadStoreSpec) -> bool:
+        assert isinstance(src, StorageLoadStoreSpec)
+        return self._submit(job_id, False, src.block_ids, dst.block_ids, None)
+
+    def get_finished(self) -> list[TransferResult]:
+        out = []
+        while self._finished:
+            out.append(self._finished.popleft())
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        with self._done:
+            self._done.wait_for(lambda: not (job_ids & self._in_flight))
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._in_flight)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._tasks.put(None)
+        for t in self._threads:
+            t.join(timeout=30)
+
+    # --- internals ---
+
+    def _submit(self, job_id, is_store, slots, chunks, keys) -> bool:
+        if len(slots) != len(chunks):
+            raise ValueError(f"job {job_id}: {len(slots)} storage slots for {len(chunks)} host chunks")
+        slots = [int(s) for s in slots]
+        chunks = [int(c) for c in chunks]
+        parts = min(self.io_threads, len(slots))
+        if parts == 0:
+            self._finished.append(TransferResult(job_id, True, 0, 0.0))
+            return True
+        job = _Job(job_id, is_store, slots, chunks, keys, parts)
+        with self._done:
+            self._in_flight.add(job_id)
+        if is_store:
+            self._tasks.put((job, -1))  # first durably forget what the slots held
+        else:
+            self._enqueue_parts(job)
+        return True
+
+    def _enqueue_parts(self, job: _Job) -> None:
+        for p in range(job.remaining):
+            self._tasks.put((job, p))
+
+    def _run(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            job, part = task
+            try:
+                if part < 0:
+                    self.store.free_durable(job.slots)
+                    self._enqueue_parts(job)
+                    continue
+                self._do_part(job, part)
+            except OSError as e:
+                log.warning("storage job %d failed: %s", job.job_id, e)
+                job.ok = False
+                if part < 0:
+                    job.remaining = 1
+                    self._finish(job)
+                    continue
+            except Exception:  # never let an IO thread die
+                log.exception("storage job %d failed", job.job_id)
+                job.ok = False
+            with job.lock:
+                job.remaining -= 1
+                last = job.remaining == 0
+            if last:
+                self._finish(job)
+
+    def _do_part(self, job: _Job, part: int) -> None:
+        n = len(job.slots)
+        parts = min(self.io_threads, n)
+        lo, hi = part * n // parts, (part + 1) * n // parts
+        size = self.store.slot_bytes
+        for i in range(lo, hi):
+            if not job.ok:
+                return
+            fd, off = self.store.locate(job.slots[i])
+            buf = self.pool.chunk_memoryview(job.chunks[i])
+            if job.is_store:
+                job.checksums[i] = xxhash.xxh3_64_intdigest(buf)
+                if os.pwritev(fd, [buf], off) != size:
+                    raise OSError(f"short write to storage slot {job.slots[i]}")
+            else:
+                expected = self.store.expected_checksum(job.slots[i])
+                got = os.preadv(fd, [buf], off)
+                if got != size or expected is None or xxhash.xxh3_64_intdigest(buf) != expected:
+                    log.warning("storage slot %d: checksum mismatch, dropped", job.slots[i])
+                    self.store.report_corrupt(job.slots[i])
+                    job.ok = False
+
+    def _finish(self, job: _Job) -> None:
+        if job.is_store and job.ok:
+            try:
+                touched = {self.store.locate(s)[0] for s in job.slots}
+                self.store.sync_data(touched)
+                self.store.publish(list(zip(job.slots, job.keys, job.checksums)))
+            except OSError as e:
+                log.warning("storage job %d: cannot make durable: %s", job.job_id, e)
+                job.ok = False
+        nbytes = len(job.slots) * self.store.slot_bytes if job.ok else 0
+        self._finished.append(TransferResult(job.job_id, job.ok, nbytes,
+                                             time.perf_counter() - job.start))
+        with self._done:
+            self._in_flight.discard(job.job_id)
+            self._done.notify_all()
