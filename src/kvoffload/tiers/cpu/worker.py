@@ -1,0 +1,393 @@
+"""The CPU tier's worker: copies KV pages between the engine's KV cache
+tensors and the host pool, asynchronously.
+
+Chunk layout inside a pool slot of a key of group g: for each ref of
+group_data_refs[g] in order, gpu_blocks_per_chunk(g) pages of that ref,
+back to back. A ref with a CanonicalPageMapping stores canonical pages
+(canonical_page_size_bytes each) and is copied fragment by fragment
+through its CopyRuns.
+
+Every job becomes a *plan*: flat arrays of (tensor index, byte offset in
+that tensor, byte offset in the pool, bytes), built with a few numpy ops
+from per-piece offsets precomputed at start, with neighbouring ranges
+merged. Executing a plan is one loop and touches no allocator:
+- CPU tensors: one transfer thread runs ctypes.memmove over raw addresses
+  (it releases the GIL; it beat copy_ loops and index_select/index_copy_
+  here, see docs/BENCHMARKS.md);
+- CUDA tensors: non_blocking copy_ of byte views on the worker's own store
+  and load streams (after waiting on the compute stream's event); a job is
+  done when its end event completes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kvoffload.abstractions import (
+    CanonicalKVCacheRef,
+    CanonicalKVCaches,
+    CPULoadStoreSpec,
+    GPULoadStoreSpec,
+    LoadStoreSpec,
+    OffloadingWorker,
+    TransferResult,
+)
+from kvoffload.config import OffloadingConfig
+from kvoffload.tiers.base import HostPool
+
+logger = logging.getLogger(__name__)
+
+STORE, LOAD = "store", "load"
+
+
+def page_bytes_in_chunk(ref: CanonicalKVCacheRef) -> int:
+    """Bytes one page of this ref takes in a chunk (canonical if mapped)."""
+    return ref.mapping.canonical_page_size_bytes if ref.mapping is not None else ref.page_size_bytes
+
+
+def chunk_layout(
+    kv_caches: CanonicalKVCaches, config: OffloadingConfig
+) -> tuple[list[list[tuple[CanonicalKVCacheRef, int]]], int]:
+    """Per group, each ref with its byte offset inside a chunk; and the
+    chunk size (the largest group's chunk)."""
+    if len(kv_caches.group_data_refs) != len(config.groups):
+        raise ValueError(
+            f"kv caches have {len(kv_caches.group_data_refs)} KV groups, "
+            f"the config has {len(config.groups)}"
+        )
+    layout, chunk_bytes = [], 0
+    for g, refs in enumerate(kv_caches.group_data_refs):
+        tpb = config.groups[g].tokens_per_block
+        if tpb > config.tokens_per_chunk:
+            raise ValueError(
+                f"groups[{g}].tokens_per_block={tpb} is larger than a chunk "
+                f"({config.tokens_per_chunk} tokens): the CPU worker cannot split GPU blocks"
+            )
+        k = config.gpu_blocks_per_chunk(g)
+        offset, group_layout = 0, []
+        for ref in refs:
+            group_layout.append((ref, offset))
+            offset += k * page_bytes_in_chunk(ref)
+        layout.append(group_layout)
+        chunk_bytes = max(chunk_bytes, offset)
+    if chunk_bytes == 0:
+        raise ValueError("kv caches have no pages to offload (no refs in any group)")
+    return layout, chunk_bytes
+
+
+@dataclass
+class _Pieces:
+    """One group's copy pieces: every (ref, fragment) as parallel arrays.
+    An unmapped ref is one piece (its whole page); a mapped ref is one
+    piece per CopyRun fragment."""
+
+    tensor_idx: np.ndarray  # which kv tensor
+    src_offset: np.ndarray  # byte offset of the piece inside a GPU page
+    block_stride: np.ndarray  # bytes between GPU blocks of that tensor
+    chunk_offset: np.ndarray  # byte offset of the piece's first page in a chunk
+    page_in_chunk: np.ndarray  # bytes between sub-block pages in a chunk
+    size: np.ndarray  # bytes
+    min_blocks: int  # block ids must be below this
+
+
+def _group_pieces(kv_caches: CanonicalKVCaches, layout, group: int) -> _Pieces:
+    cols: list[tuple[int, int, int, int, int, int]] = []
+    min_blocks = None
+    for ref, offset in layout[group]:
+        if not 0 <= ref.tensor_idx < len(kv_caches.tensors):
+            raise ValueError(f"ref of group {group} names tensor {ref.tensor_idx}, "
+                             f"but there are {len(kv_caches.tensors)}")
+        kvt = kv_caches.tensors[ref.tensor_idx]
+        t = kvt.tensor
+        stride = t.stride(0) * t.element_size()
+        if ref.page_size_bytes > kvt.page_size_bytes or kvt.page_size_bytes > stride:
+            raise ValueError(
+                f"tensor {ref.tensor_idx}: ref page {ref.page_size_bytes} B, tensor page "
+                f"{kvt.page_size_bytes} B, block stride {stride} B do not nest"
+            )
+        min_blocks = t.shape[0] if min_blocks is None else min(min_blocks, t.shape[0])
+        page = page_bytes_in_chunk(ref)
+        if ref.mapping is None:
+            cols.append((ref.tensor_idx, 0, stride, offset, page, ref.page_size_bytes))
+            continue
+        m = ref.mapping
+        for run in m.runs:
+            for i in range(run.num_fragments):
+                lo = run.local_offset + i * run.local_stride
+                co = run.canonical_offset + i * run.canonical_stride
+                if lo + run.fragment_size > ref.page_size_bytes or co + run.fragment_size > page:
+                    raise ValueError(f"tensor {ref.tensor_idx}: CopyRun {run} leaves the page")
+                cols.append((ref.tensor_idx, lo, stride, offset + co, page, run.fragment_size))
+    arr = np.array(cols, dtype=np.int64).reshape(-1, 6).T
+    return _Pieces(*arr, min_blocks=min_blocks or 0)
+
+
+def _merge_neighbours(tidx, gpu, pool, size):
+    """Merge ranges that continue the previous one on both sides."""
+    if len(size) <= 1:
+        return tidx, gpu, pool, size
+    cont = (
+        (gpu[1:] == gpu[:-1] + size[:-1])
+        & (pool[1:] == pool[:-1] + size[:-1])
+        & (tidx[1:] == tidx[:-1])
+    )
+    starts = np.flatnonzero(np.concatenate(([True], ~cont)))
+    return tidx[starts], gpu[starts], pool[starts], np.add.reduceat(size, starts)
+
+
+@dataclass
+class _Job:
+    job_id: int
+    direction: str
+    tensor_idx: np.ndarray
+    gpu_offset: np.ndarray
+    pool_offset: np.ndarray
+    size: np.ndarray
+    nbytes: int
+
+
+class CPUOffloadingWorker(OffloadingWorker):
+    """Moves chunks between the engine's KV caches and a HostPool it owns."""
+
+    def __init__(self, kv_caches: CanonicalKVCaches, config: OffloadingConfig, num_chunks: int):
+        self.kv_caches = kv_caches
+        self.config = config
+        self.layout, self.chunk_bytes = chunk_layout(kv_caches, config)
+        for i, kvt in enumerate(kv_caches.tensors):
+            t = kvt.tensor
+            if t.element_size() != 1 or t.dim() < 2 or not t[0].is_contiguous():
+                raise ValueError(
+                    f"kv tensor {i} must be a 1-byte (num_blocks, page bytes) view with contiguous "
+                    f"pages, got {t.dtype} {tuple(t.shape)} strides {t.stride()} "
+                    "(kvoffload.kv_caches.make_kv_caches builds one)"
+                )
+        devices = {kvt.tensor.device for kvt in kv_caches.tensors}
+        if len(devices) > 1:
+            raise ValueError(f"kv tensors are on several devices: {sorted(map(str, devices))}")
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self.use_cuda = self.device.type == "cuda"
+        self._pieces = [_group_pieces(kv_caches, self.layout, g) for g in range(len(self.layout))]
+        self._block_factor = [config.gpu_blocks_per_chunk(g) for g in range(len(self.layout))]
+        self.pool = HostPool(num_chunks, self.chunk_bytes)
+        self.num_chunks = num_chunks
+        self.last_error: str | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._in_flight: set[int] = set()
+        self._finished: list[TransferResult] = []
+        if self.use_cuda:
+            self._init_cuda()
+        else:
+            self._init_thread()
+
+    # ---- plans -------------------------------------------------------
+
+    def _plan(self, job_id: int, direction: str, gpu: GPULoadStoreSpec, cpu: LoadStoreSpec) -> _Job:
+        """Byte ranges of one job; raises ValueError on a bad spec."""
+        if not isinstance(gpu, GPULoadStoreSpec):
+            raise ValueError(f"GPU side must be a GPULoadStoreSpec, got {type(gpu).__name__}")
+        if not isinstance(cpu, CPULoadStoreSpec):
+            raise ValueError(f"CPU side must be a CPULoadStoreSpec, got {type(cpu).__name__}")
+        if len(gpu.group_sizes) != len(self._pieces):
+            raise ValueError(f"spec has {len(gpu.group_sizes)} groups, kv caches have {len(self._pieces)}")
+        slots = cpu.block_ids
+        if len(slots) and (slots.min() < 0 or slots.max() >= self.num_chunks):
+            raise ValueError(f"CPU slot ids must be in [0, {self.num_chunks}), got {slots.tolist()}")
+        parts, block_start, slot_start = [], 0, 0
+        for g, (n, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices)):
+            k = self._block_factor[g]
+            skip = first % k  # GPU blocks of the first chunk that are not in this job
+            n_chunks = -(-(skip + n) // k)
+            blocks = gpu.block_ids[block_start : block_start + n]
+            group_slots = slots[slot_start : slot_start + n_chunks]
+            block_start += n
+            slot_start += n_chunks
+            if len(group_slots) < n_chunks:
+                break  # reported below
+            p = self._pieces[g]
+            if n == 0 or len(p.size) == 0:
+                continue
+            if blocks.min() < 0 or blocks.max() >= p.min_blocks:
+                raise ValueError(f"group {g}: GPU block ids must be in [0, {p.min_blocks}), "
+                                 f"got {blocks.tolist()}")
+            pos = skip + np.arange(n, dtype=np.int64)  # sub-block position within the job's chunks
+            chunk_base = group_slots[pos // k] * self.pool.chunk_bytes + (pos % k)[None, :] * p.page_in_chunk[:, None]
+            parts.append((
+                np.broadcast_to(p.tensor_idx[:, None], chunk_base.shape),
+                p.src_offset[:, None] + blocks[None, :] * p.block_stride[:, None],
+                chunk_base + p.chunk_offset[:, None],
+                np.broadcast_to(p.size[:, None], chunk_base.shape),
+            ))
+        if slot_start != len(slots):
+            raise ValueError(
+                f"the GPU blocks (group_sizes {list(gpu.group_sizes)}, block_indices "
+                f"{list(gpu.block_indices)}) span {slot_start} chunks, but {len(slots)} CPU slots were given"
+            )
+        if parts:
+            arrays = [np.concatenate([part[i].ravel() for part in parts]) for i in range(4)]
+        else:
+            arrays = [np.zeros(0, dtype=np.int64) for _ in range(4)]
+        tidx, goff, poff, size = _merge_neighbours(*arrays)
+        return _Job(job_id, direction, tidx, goff, poff, size, int(size.sum()))
+
+    # ---- OffloadingWorker -------------------------------------------
+
+    def submit_store(self, job_id: int, src_spec: GPULoadStoreSpec, dst_spec: LoadStoreSpec) -> bool:
+        return self._submit(job_id, STORE, src_spec, dst_spec)
+
+    def submit_load(self, job_id: int, src_spec: LoadStoreSpec, dst_spec: GPULoadStoreSpec) -> bool:
+        return self._submit(job_id, LOAD, dst_spec, src_spec)
+
+    def _submit(self, job_id: int, direction: str, gpu, cpu) -> bool:
+        with self._lock:
+            if self._closed:
+                self.last_error = "worker is shut down"
+                return False
+            if job_id in self._in_flight:
+                self.last_error = f"job {job_id} is already in flight"
+                logger.warning("refused %s job: %s", direction, self.last_error)
+                return False
+        try:
+            job = self._plan(job_id, direction, gpu, cpu)
+        except ValueError as e:
+            self.last_error = f"job {job_id}: {e}"
+            logger.warning("refused %s job: %s", direction, self.last_error)
+            return False
+        with self._lock:
+            self._in_flight.add(job_id)
+        if self.use_cuda:
+            self._launch_cuda(job)
+        else:
+            self._queue.put(job)
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        if self.use_cuda:
+            self._poll_cuda()
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        if self.use_cuda:
+            self._poll_cuda(block_on=set(job_ids))
+            return
+        with self._done:
+            self._done.wait_for(lambda: not (self._in_flight & set(job_ids)))
+
+    def _finish(self, job: _Job, success: bool, seconds: float | None) -> None:
+        with self._done:
+            self._in_flight.discard(job.job_id)
+            self._finished.append(TransferResult(job.job_id, success, job.nbytes if success else 0, seconds))
+            self._done.notify_all()
+
+    def shutdown(self) -> None:
+        """Finish the jobs already submitted, then stop and unpin the pool."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        if self.use_cuda:
+            self._poll_cuda(block_on=set(self._in_flight))
+        else:
+            self._queue.put(None)
+            self._thread.join()
+        self.pool.close()
+
+    # ---- CPU: one transfer thread -----------------------------------
+
+    def _init_thread(self) -> None:
+        self._gpu_base = np.array([kvt.tensor.data_ptr() for kvt in self.kv_caches.tensors] or [0],
+                                  dtype=np.int64)
+        self._pool_base = self.pool.tensor.data_ptr()
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvoffload-cpu-copy", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (job := self._queue.get()) is not None:
+            t0 = time.perf_counter()
+            try:
+                self._copy(job)
+            except Exception:  # a failed job never takes the thread down
+                logger.exception("CPU offload %s job %d failed", job.direction, job.job_id)
+                self._finish(job, False, time.perf_counter() - t0)
+            else:
+                self._finish(job, True, time.perf_counter() - t0)
+
+    def _copy(self, job: _Job) -> None:
+        """The whole CPU copy path: memmove each byte range."""
+        gpu = (self._gpu_base[job.tensor_idx] + job.gpu_offset).tolist()
+        pool = (self._pool_base + job.pool_offset).tolist()
+        memmove = ctypes.memmove
+        if job.direction == STORE:
+            for dst, src, n in zip(pool, gpu, job.size.tolist()):
+                memmove(dst, src, n)
+        else:
+            for dst, src, n in zip(gpu, pool, job.size.tolist()):
+                memmove(dst, src, n)
+
+    # ---- CUDA: own streams and events -------------------------------
+
+    def _init_cuda(self) -> None:
+        # 1-D byte views over each tensor's storage and the (pinned) pool
+        self._flat = []
+        for kvt in self.kv_caches.tensors:
+            t = kvt.tensor
+            span = (t.shape[0] - 1) * t.stride(0) + t[0].numel()
+            self._flat.append(t.view(torch.int8).as_strided((span,), (1,), t.storage_offset()))
+        self._pool_flat = self.pool.tensor.view(torch.int8).view(-1)
+        self._streams = {STORE: torch.cuda.Stream(self.device), LOAD: torch.cuda.Stream(self.device)}
+        self._pending: dict[int, tuple[_Job, torch.cuda.Event, torch.cuda.Event]] = {}  # submit order
+
+    def _launch_cuda(self, job: _Job) -> None:
+        stream = self._streams[job.direction]
+        try:
+            # never read (or overwrite) blocks before the compute stream is done with them
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self.device))
+            stream.wait_event(ready)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(stream):
+                start.record(stream)
+                self._copy_cuda(job)
+                end.record(stream)
+        except Exception:
+            logger.exception("CUDA offload %s job %d failed to launch", job.direction, job.job_id)
+            self._finish(job, False, None)
+            return
+        with self._lock:
+            self._pending[job.job_id] = (job, start, end)
+
+    def _copy_cuda(self, job: _Job) -> None:
+        """The whole CUDA copy path: one async copy per byte range."""
+        pool, flat = self._pool_flat, self._flat
+        ranges = zip(job.tensor_idx.tolist(), job.gpu_offset.tolist(), job.pool_offset.tolist(), job.size.tolist())
+        if job.direction == STORE:
+            for t, g, p, n in ranges:
+                pool.narrow(0, p, n).copy_(flat[t].narrow(0, g, n), non_blocking=True)
+        else:
+            for t, g, p, n in ranges:
+                flat[t].narrow(0, g, n).copy_(pool.narrow(0, p, n), non_blocking=True)
+
+    def _poll_cuda(self, block_on: set[int] | None = None) -> None:
+        with self._lock:
+            pending = list(self._pending.values())
+        for job, start, end in pending:
+            if block_on and job.job_id in block_on:
+                end.synchronize()
+            elif not end.query():
+                continue
+            with self._lock:
+                if self._pending.pop(job.job_id, None) is None:
+                    continue  # another thread finished it
+            self._finish(job, True, start.elapsed_time(end) / 1000.0)
