@@ -32,7 +32,7 @@ def shard(full: torch.Tensor, layer: LayerLayout, par: ParallelLayout) -> torch.
         start, n = r * (H // tp), H // tp
     else:
         start, n = r // (tp // H), 1  # heads replicated over tp/H ranks
-    return full.narrow(1 + head_dim_of_page(layer), start, n).contiguous()
+    return full.narrow(1 + head_dim_of_page(layer), start, n).clone(memory_format=torch.contiguous_format)
 
 
 def rows(t: torch.Tensor) -> torch.Tensor:
