@@ -1,0 +1,87 @@
+"""Settings of the remote tier, checked once at start-up.
+
+Every bad value raises ConfigError naming the key. The password never
+appears in messages (see `RemoteConfig.redacted_url`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+from kvoffload.config import ConfigError, check_known_keys, parse_bytes, positive_int, positive_number
+
+SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
+
+
+@dataclass(frozen=True)
+class RemoteConfig:
+    url: str = "redis://127.0.0.1:6379/0"  # redis://, rediss:// (TLS), unix:///path.sock
+    username: str | None = None  # ACL user; overrides the URL's
+    password: str | None = None  # overrides the URL's
+    key_prefix: str = "kvoffload"  # keys: <prefix>:<namespace digest>:<hex key>
+    cluster: bool = False  # Redis Cluster (redis.cluster.RedisCluster)
+    connect_timeout_s: float = 1.0
+    socket_timeout_s: float = 2.0  # per socket operation, bounds every network wait
+    ttl_s: int | None = None  # SET ... EX ttl_s; None leaves expiry to the server
+    lookup_cache_s: float = 2.0  # how long an existence answer is trusted
+    lookup_coalesce_s: float = 0.002  # wait this long to batch lookups before a check
+    io_threads: int = 1  # data connections (one thread each)
+    batch_bytes: int = 32 << 20  # bytes per pipelined GET/SET round
+    max_queue_bytes: int = 1 << 30  # stores queued beyond this are dropped (back-pressure)
+    backoff_initial_s: float = 0.05  # first reconnect delay after a failure
+    backoff_max_s: float = 5.0  # cap of the exponential back-off
+    tls_ca_certs: str | None = None  # CA bundle for rediss://
+    tls_verify: bool = True  # verify the server certificate for rediss://
+
+    def __post_init__(self):
+        if not isinstance(self.url, str):
+            raise ConfigError(f"remote.url must be a string, got {self.url!r}")
+        scheme = urlsplit(self.url).scheme
+        if scheme not in SCHEMES:
+            raise ConfigError(f"remote.url {self.redacted_url!r}: scheme must be one of {list(SCHEMES)}")
+        if self.cluster and scheme in ("unix",):
+            raise ConfigError("remote.cluster: Redis Cluster needs a redis:// or rediss:// url, not unix://")
+        for key in ("username", "password", "tls_ca_certs"):
+            v = getattr(self, key)
+            if v is not None and not isinstance(v, str):
+                raise ConfigError(f"remote.{key} must be a string, got {type(v).__name__}")
+        if not isinstance(self.key_prefix, str) or not self.key_prefix or any(c.isspace() for c in self.key_prefix):
+            raise ConfigError(f"remote.key_prefix must be a non-empty string without spaces, got {self.key_prefix!r}")
+        for key in ("cluster", "tls_verify"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"remote.{key} must be true or false, got {getattr(self, key)!r}")
+        for key in ("connect_timeout_s", "socket_timeout_s", "lookup_cache_s", "lookup_coalesce_s",
+                    "backoff_initial_s", "backoff_max_s"):
+            positive_number(getattr(self, key), f"remote.{key}")
+        if self.ttl_s is not None:
+            positive_int(self.ttl_s, "remote.ttl_s")
+        positive_int(self.io_threads, "remote.io_threads")
+        positive_int(self.batch_bytes, "remote.batch_bytes")
+        positive_int(self.max_queue_bytes, "remote.max_queue_bytes")
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ConfigError(f"remote.backoff_max_s ({self.backoff_max_s}) must be >= "
+                              f"remote.backoff_initial_s ({self.backoff_initial_s})")
+
+    @property
+    def redacted_url(self) -> str:
+        """The URL with any password replaced, for messages and logs."""
+        parts = urlsplit(self.url)
+        if parts.password is None:
+            return self.url
+        host = parts.hostname or ""
+        if parts.port:
+            host += f":{parts.port}"
+        user = parts.username or ""
+        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> RemoteConfig:
+        d = dict(d or {})
+        check_known_keys(d, [f.name for f in fields(cls)], "remote tier config")
+        for key in ("batch_bytes", "max_queue_bytes"):
+            if key in d:
+                d[key] = parse_bytes(d[key], f"remote.{key}")
+        return cls(**d)

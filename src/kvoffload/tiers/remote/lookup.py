@@ -1,0 +1,92 @@
+"""Existence checks off the scheduler thread.
+
+The manager queues keys it has no fresh answer for and answers RETRY; this
+thread waits a moment so the keys looked up during one scheduler step go
+out together (or until on_schedule_end flushes), sends one pipeline of
+EXISTS, and leaves (key, present) answers in `results` for the manager to
+pick up. present is None when the server could not be asked.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+
+import redis
+
+from kvoffload.tiers.remote.connection import NETWORK_ERRORS
+from kvoffload.tiers.remote.state import SharedState
+from kvoffload.tiers.remote.value import KeySpace
+
+log = logging.getLogger(__name__)
+
+PIPELINE_KEYS = 4096  # EXISTS per pipeline round
+
+
+class ExistenceChecker:
+    def __init__(self, client, keyspace: KeySpace, state: SharedState, coalesce_s: float):
+        self._client = client
+        self._keyspace = keyspace
+        self._state = state
+        self._coalesce_s = coalesce_s
+        self._queue: deque[bytes] = deque()
+        self.results: deque[tuple[bytes, bool | None]] = deque()
+        self._wake = threading.Event()
+        self._flush = threading.Event()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="kvoffload-remote-lookup", daemon=True)
+        self._thread.start()
+
+    def ask(self, key: bytes) -> None:
+        self._queue.append(key)
+        if not self._wake.is_set():
+            self._wake.set()
+
+    def flush(self) -> None:
+        """End of a scheduler step: check what was queued now."""
+        if self._queue:
+            self._flush.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._flush.set()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            if self._stopping:
+                return
+            self._flush.wait(self._coalesce_s)
+            # clear before draining: a key queued after the drain sets _wake again
+            self._wake.clear()
+            self._flush.clear()
+            keys = []
+            while self._queue:
+                keys.append(self._queue.popleft())
+            for i in range(0, len(keys), PIPELINE_KEYS):
+                self._check(keys[i : i + PIPELINE_KEYS])
+
+    def _check(self, keys: list[bytes]) -> None:
+        backoff = self._state.backoff
+        if not backoff.available():
+            self.results.extend((k, None) for k in keys)
+            return
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for rk in self._keyspace.redis_keys(keys):
+                pipe.exists(rk)
+            answers = pipe.execute()
+        except NETWORK_ERRORS as e:
+            backoff.failed()
+            log.debug("remote lookup failed: %s", e)
+            self.results.extend((k, None) for k in keys)
+            return
+        except redis.RedisError as e:  # e.g. cluster resharding: unknown, ask again later
+            log.warning("remote lookup error: %s", e)
+            self.results.extend((k, None) for k in keys)
+            return
+        backoff.succeeded()
+        self.results.extend(zip(keys, (bool(a) for a in answers)))

@@ -1,0 +1,203 @@
+"""Scheduler-side bookkeeping of the remote tier.
+
+The server, not this process, decides what is held (other engines store,
+maxmemory evicts, TTLs expire), so the manager keeps only short-lived
+answers: keys known present or absent (each trusted for lookup_cache_s),
+keys whose existence check is in flight, and keys this process is
+storing. It never waits on the network: an unknown key is queued for the
+background checker and answered RETRY.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Collection, Iterable
+
+from kvoffload.abstractions import (
+    Locality,
+    LookupResult,
+    Medium,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingStats,
+    OffloadKey,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from kvoffload.tiers.remote.config import RemoteConfig
+from kvoffload.tiers.remote.lookup import ExistenceChecker
+from kvoffload.tiers.remote.state import SharedState
+from kvoffload.tiers.remote.value import KeySpace, RemoteLoadStoreSpec
+
+HIT, MISS, HIT_PENDING, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING, LookupResult.RETRY
+
+
+class RemoteOffloadingManager(OffloadingManager):
+    medium = Medium.CPU
+    locality = Locality.REMOTE
+
+    def __init__(self, client, keyspace: KeySpace, cfg: RemoteConfig, state: SharedState,
+                 name: str = "remote", enable_events: bool = False):
+        self.name = name
+        self._client = client
+        self._keyspace = keyspace
+        self._cfg = cfg
+        self._state = state
+        self._counters = state.counters
+        # key -> monotonic expiry; insertion order is expiry order (same TTL for all)
+        self._present: OrderedDict[bytes, float] = OrderedDict()
+        self._absent: OrderedDict[bytes, float] = OrderedDict()
+        self._checking: set[bytes] = set()
+        self._storing: set[bytes] = set()
+        self._events: list[OffloadingEvent] | None = [] if enable_events else None
+        self._reconnects_seen = 0
+        self._checker = ExistenceChecker(client, keyspace, state, cfg.lookup_coalesce_s)
+
+    # -- answers from the checker and the worker ------------------------
+    def _drain(self) -> float:
+        now = time.monotonic()
+        expiry = now + self._cfg.lookup_cache_s
+        results = self._checker.results
+        while results:
+            key, present = results.popleft()
+            self._checking.discard(key)
+            if present is None:  # not asked (server down): no answer to cache
+                continue
+            self._remember(self._present if present else self._absent, key, expiry)
+        gone = self._state.gone_keys
+        while gone:
+            key = gone.popleft()
+            self._present.pop(key, None)
+            self._remember(self._absent, key, expiry)
+        for d in (self._present, self._absent):
+            while d:
+                key, exp = next(iter(d.items()))
+                if exp > now:
+                    break
+                d.popitem(last=False)
+        return now
+
+    @staticmethod
+    def _remember(d: OrderedDict, key: bytes, expiry: float) -> None:
+        d[key] = expiry
+        d.move_to_end(key)
+
+    # -- OffloadingManager ----------------------------------------------
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        self._drain()
+        c = self._counters
+        c.add("lookups")
+        if key in self._storing:
+            c.add("hits_pending")
+            return HIT_PENDING
+        if key in self._present:  # _drain dropped expired answers
+            c.add("hits")
+            return HIT
+        if key in self._absent:
+            c.add("misses")
+            return MISS
+        if key in self._checking:
+            c.add("retries")
+            return RETRY
+        if not self._state.backoff.available():
+            c.add("misses")
+            return MISS
+        self._checking.add(key)
+        self._checker.ask(key)
+        c.add("retries")
+        return RETRY
+
+    def prefetch(self, keys: Iterable[OffloadKey]) -> None:
+        """Start existence checks for keys without a fresh answer, so a
+        caller that knows a request's whole prefix gets it in one round
+        trip instead of one per block."""
+        self._drain()
+        if not self._state.backoff.available():
+            return
+        for key in keys:
+            if key not in self._present and key not in self._absent and key not in self._checking:
+                self._checking.add(key)
+                self._checker.ask(key)
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> RemoteLoadStoreSpec:
+        # Nothing to pin: the server may still evict; the worker then reports a miss.
+        keys = list(keys)
+        return RemoteLoadStoreSpec(self._keyspace.redis_keys(keys), keys)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        return  # recency is the server's business (allkeys-lru sees our GETs)
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        self._drain()
+        if not self._state.backoff.available():
+            self._counters.add("dropped_stores", len(keys))
+            return None
+        to_store = [k for k in keys if k not in self._present and k not in self._storing]
+        self._storing.update(to_store)
+        return PrepareStoreOutput(
+            keys_to_store=to_store,
+            store_spec=RemoteLoadStoreSpec(self._keyspace.redis_keys(to_store), to_store),
+            evicted_keys=[],  # eviction happens on the server, unseen
+        )
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
+        now = self._drain()
+        expiry = now + self._cfg.lookup_cache_s
+        done = [k for k in keys if k in self._storing]
+        self._storing.difference_update(done)
+        if not success:
+            self._counters.add("dropped_stores", len(done))
+            return
+        for k in done:
+            self._absent.pop(k, None)
+            self._remember(self._present, k, expiry)
+        self._counters.add("stored_blocks", len(done))
+        if self._events is not None and done:
+            self._events.append(OffloadingEvent(keys=done, medium=self.medium, removed=False,
+                                                locality=self.locality, ownership=self.name))
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._checker.flush()
+
+    def has_pending_work(self) -> bool:
+        self._drain()
+        return bool(self._checking)
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if not self._events:
+            return ()
+        events, self._events = self._events, []
+        return events
+
+    def reset_cache(self) -> None:
+        """Forget cached answers. The server's keys stay: other engines share them."""
+        self._present.clear()
+        self._absent.clear()
+
+    def get_stats(self) -> OffloadingStats:
+        self._drain()
+        counters = self._state.counters.take()
+        backoff = self._state.backoff
+        if backoff.reconnects != self._reconnects_seen:
+            counters["reconnects"] = backoff.reconnects - self._reconnects_seen
+            self._reconnects_seen = backoff.reconnects
+        gauges = {
+            "queue_depth": len(self._checking) + self._state.worker_queue_blocks,
+            "known_present": len(self._present),
+            "server_up": 0.0 if backoff.is_down else 1.0,
+        }
+        return OffloadingStats(tier=self.name, medium=self.medium, locality=self.locality,
+                               counters=counters, gauges=gauges)
+
+    def shutdown(self) -> None:
+        self._checker.stop()
+        try:
+            self._client.close()
+        except Exception:  # noqa: BLE001 - best effort on the way out
+            pass

@@ -1,0 +1,181 @@
+"""Pipelined GET/SET framed by hand on a socket that redis-py connected.
+
+Why not redis-py's own commands: they copy each value at least twice
+(into a packed command on send; into a parser buffer and then a bytes
+object on receive). Here a SET sends the host-pool chunk's memoryview
+straight to the socket (sendmsg scatter-gather), and a GET reads the value
+straight into the preallocated pool slot with recv_into; only what the
+64 KiB line buffer happened to read ahead is copied once.
+
+Callers must treat any exception as "connection state unknown" and close.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+
+from kvoffload.tiers.remote.value import HEADER_BYTES, check_header, make_header, payload_ok
+
+OK, MISSING, CORRUPT, ERROR = 0, 1, 2, 3
+_IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
+
+
+class RawConnection:
+    def __init__(self, conn):
+        conn.connect()  # redis-py: TCP/unix/TLS, AUTH/ACL, SELECT
+        self.conn = conn
+        self.sock: socket.socket = conn._sock
+        # SSL sockets have no sendmsg; they take one buffer at a time.
+        self._scatter = not isinstance(self.sock, ssl.SSLSocket)
+        self._buf = bytearray(1 << 16)
+        self._mv = memoryview(self._buf)
+        self._r = 0  # read position in _buf
+        self._w = 0  # end of valid bytes in _buf
+        self._hdr = bytearray(HEADER_BYTES)
+        self.last_error: bytes | None = None  # last error reply, e.g. b"MOVED 12 host:port"
+
+    def close(self) -> None:
+        try:
+            self.conn.disconnect()
+        except Exception:  # noqa: BLE001 - closing a broken socket may fail; nothing to do
+            pass
+
+    # -- sending --------------------------------------------------------
+    def _send(self, pieces: list) -> None:
+        if not self._scatter:
+            for p in pieces:
+                self.sock.sendall(p)
+            return
+        views = [memoryview(p).cast("B") for p in pieces]
+        i = 0
+        while i < len(views):
+            sent = self.sock.sendmsg(views[i : i + _IOV_MAX])
+            # skip whole buffers sent, then trim a partly sent one
+            while i < len(views) and sent >= len(views[i]):
+                sent -= len(views[i])
+                i += 1
+            if sent:
+                views[i] = views[i][sent:]
+
+    # -- receiving ------------------------------------------------------
+    def _fill(self) -> None:
+        if self._r == self._w:
+            self._r = self._w = 0
+        elif self._w == len(self._buf):
+            if self._r == 0:  # a line longer than the buffer: grow it
+                self._buf.extend(bytes(len(self._buf)))
+                self._mv = memoryview(self._buf)
+            else:
+                n = self._w - self._r
+                self._buf[:n] = self._buf[self._r : self._w]
+                self._r, self._w = 0, n
+        got = self.sock.recv_into(self._mv[self._w :])
+        if got == 0:
+            raise ConnectionError("server closed the connection")
+        self._w += got
+
+    def _line(self) -> bytes:
+        while True:
+            i = self._buf.find(b"\r\n", self._r, self._w)
+            if i >= 0:
+                line = bytes(self._mv[self._r : i])
+                self._r = i + 2
+                return line
+            self._fill()
+
+    def _read_into(self, dst: memoryview) -> None:
+        n = len(dst)
+        take = min(self._w - self._r, n)
+        if take:
+            dst[:take] = self._mv[self._r : self._r + take]
+            self._r += take
+        while take < n:
+            got = self.sock.recv_into(dst[take:])
+            if got == 0:
+                raise ConnectionError("server closed the connection mid-value")
+            take += got
+
+    def _skip(self, n: int) -> None:
+        while n:
+            if self._r == self._w:
+                self._fill()
+            take = min(self._w - self._r, n)
+            self._r += take
+            n -= take
+
+    # -- commands -------------------------------------------------------
+    def set_many(self, keys: list[bytes], payloads: list[memoryview], ttl_s: int | None = None) -> list[bool]:
+        """SET every key to header+payload in one pipelined round; True where
+        the server answered OK (False: e.g. OOM under maxmemory noeviction)."""
+        tail = b"\r\n" if ttl_s is None else b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl_s)), ttl_s)
+        argc = b"*3" if ttl_s is None else b"*5"
+        pieces: list = []
+        pending = b""
+        for k, p in zip(keys, payloads):
+            pieces.append(pending + b"%s\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (
+                argc, len(k), k, HEADER_BYTES + len(p), make_header(p)))
+            pieces.append(p)
+            pending = tail
+        pieces.append(pending)
+        self._send(pieces)
+        ok = []
+        for _ in keys:
+            line = self._line()
+            if line[:1] == b"-":
+                self.last_error = line[1:]
+            ok.append(line == b"+OK")
+        return ok
+
+    def get_many_into(self, keys: list[bytes], dsts: list[memoryview], batch_bytes: int) -> list[int]:
+        """GET each key into its destination buffer, verifying the header and
+        checksum. Returns a status per key: OK, MISSING, CORRUPT or ERROR.
+        GETs go out one window ahead of the replies being read, so the
+        server works while we copy, and its output buffer stays bounded."""
+        windows = []
+        start, size = 0, 0
+        for i, d in enumerate(dsts):
+            size += len(d)
+            if size >= batch_bytes:
+                windows.append((start, i + 1))
+                start, size = i + 1, 0
+        if start < len(keys):
+            windows.append((start, len(keys)))
+        status = [ERROR] * len(keys)
+        if not windows:
+            return status
+        self._send_gets(keys, *windows[0])
+        for w, (a, b) in enumerate(windows):
+            if w + 1 < len(windows):
+                self._send_gets(keys, *windows[w + 1])
+            for i in range(a, b):
+                status[i] = self._read_value(dsts[i])
+        return status
+
+    def _send_gets(self, keys: list[bytes], a: int, b: int) -> None:
+        self._send([b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys[a:b])])
+
+    def _read_value(self, dst: memoryview) -> int:
+        line = self._line()
+        kind = line[:1]
+        if kind == b"$":
+            n = int(line[1:])
+            if n < 0:
+                return MISSING
+            if n != HEADER_BYTES + len(dst):  # truncated or foreign value
+                self._skip(n + 2)
+                return CORRUPT
+            self._read_into(memoryview(self._hdr))
+            checksum = check_header(self._hdr, len(dst))
+            if checksum is None:
+                self._skip(len(dst) + 2)
+                return CORRUPT
+            self._read_into(dst)
+            self._skip(2)
+            return OK if payload_ok(dst, checksum) else CORRUPT
+        if kind == b"_":  # RESP3 null
+            return MISSING
+        if kind == b"-":
+            self.last_error = line[1:]
+            return ERROR
+        raise ConnectionError(f"unexpected reply to GET: {line[:80]!r}")

@@ -1,0 +1,206 @@
+"""Worker of the remote tier: moves whole host-pool chunks to and from the
+server on io_threads background threads, each with its own connection
+(one per cluster node in cluster mode).
+
+A job never raises and never waits longer than the socket timeouts: on a
+network error it fails (the tiering manager turns that into a miss or a
+dropped store), the connection is closed, and the shared back-off keeps
+everyone off the network until it is time to try reconnecting.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+
+import redis
+
+from kvoffload.abstractions import CPULoadStoreSpec, TransferResult
+from kvoffload.tiers.base import HostPool, TierWorker
+from kvoffload.tiers.remote import resp
+from kvoffload.tiers.remote.config import RemoteConfig
+from kvoffload.tiers.remote.connection import NETWORK_ERRORS
+from kvoffload.tiers.remote.resp import RawConnection
+from kvoffload.tiers.remote.state import SharedState
+from kvoffload.tiers.remote.value import RemoteLoadStoreSpec
+
+log = logging.getLogger(__name__)
+
+
+class RemoteTierWorker(TierWorker):
+    def __init__(self, pool: HostPool, client, cfg: RemoteConfig, state: SharedState):
+        self.pool = pool
+        self.payload_bytes = pool.used_chunk_bytes  # bytes of a chunk that carry data
+        self._client = client
+        self._cluster = cfg.cluster
+        self._cfg = cfg
+        self._state = state
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._cond = threading.Condition()
+        self._finished: list[TransferResult] = []
+        self._in_flight: set[int] = set()
+        self._queued_store_bytes = 0
+        self._topology_lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._run, name=f"kvoffload-remote-io{i}", daemon=True)
+                         for i in range(cfg.io_threads)]
+        for t in self._threads:
+            t.start()
+
+    # -- TierWorker -----------------------------------------------------
+    def submit_store(self, job_id: int, src: CPULoadStoreSpec, dst: RemoteLoadStoreSpec) -> bool:
+        slots = self._check(src, dst)
+        nbytes = len(slots) * self.payload_bytes
+        with self._cond:
+            # back-pressure: a slow server drops stores instead of stalling the engine
+            if self._queued_store_bytes + nbytes > self._cfg.max_queue_bytes:
+                self._state.counters.add("store_queue_full")
+                return False
+            self._queued_store_bytes += nbytes
+            self._in_flight.add(job_id)
+            self._state.worker_queue_blocks += len(slots)
+        self._jobs.put((True, job_id, slots, dst))
+        return True
+
+    def submit_load(self, job_id: int, src: RemoteLoadStoreSpec, dst: CPULoadStoreSpec) -> bool:
+        slots = self._check(dst, src)
+        with self._cond:
+            self._in_flight.add(job_id)
+            self._state.worker_queue_blocks += len(slots)
+        self._jobs.put((False, job_id, slots, src))
+        return True
+
+    def get_finished(self) -> list[TransferResult]:
+        with self._cond:
+            done, self._finished = self._finished, []
+        return done
+
+    def wait(self, job_ids: set[int]) -> None:
+        with self._cond:
+            while self._in_flight & set(job_ids):
+                self._cond.wait()
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+        for t in self._threads:
+            t.join(timeout=10)
+
+    def _check(self, cpu: CPULoadStoreSpec, remote: RemoteLoadStoreSpec) -> list[int]:
+        slots = cpu.block_ids.tolist()
+        if len(slots) != len(remote.redis_keys):
+            raise ValueError(f"remote job: {len(slots)} host slots for {len(remote.redis_keys)} keys")
+        return slots
+
+    # -- IO threads -----------------------------------------------------
+    def _run(self) -> None:
+        conns: dict[str, RawConnection] = {}
+        while (job := self._jobs.get()) is not None:
+            is_store, job_id, slots, spec = job
+            start = time.perf_counter()
+            ok = False
+            try:
+                ok = self._transfer(conns, is_store, slots, spec)
+            except Exception:  # noqa: BLE001 - a bug here must fail the job, not kill the thread
+                log.exception("remote %s job %d failed", "store" if is_store else "load", job_id)
+            nbytes = len(slots) * self.payload_bytes
+            result = TransferResult(job_id, ok, nbytes if ok else 0, time.perf_counter() - start)
+            with self._cond:
+                if is_store:
+                    self._queued_store_bytes -= nbytes
+                self._state.worker_queue_blocks -= len(slots)
+                self._in_flight.discard(job_id)
+                self._finished.append(result)
+                self._cond.notify_all()
+        for rc in conns.values():
+            rc.close()
+
+    def _transfer(self, conns: dict, is_store: bool, slots: list[int], spec: RemoteLoadStoreSpec) -> bool:
+        c = self._state.counters
+        backoff = self._state.backoff
+        if not slots:
+            return True
+        if not backoff.available():
+            c.add("store_failures" if is_store else "load_failures", len(slots))
+            return False
+        views = [self.pool.chunk_memoryview(s)[: self.payload_bytes] for s in slots]
+        ok = True
+        for name, node, idx in self._groups(spec.redis_keys):
+            keys = [spec.redis_keys[i] for i in idx]
+            dsts = [views[i] for i in idx]
+            try:
+                rc = conns.get(name) or conns.setdefault(name, self._connect(node))
+                if is_store:
+                    good = self._store(rc, keys, dsts)
+                else:
+                    good = self._load(rc, keys, dsts, [spec.keys[i] for i in idx])
+                backoff.succeeded()
+            except (*NETWORK_ERRORS, redis.RedisError) as e:  # incl. auth revoked at run time
+                log.debug("remote %s to %s failed: %s", "store" if is_store else "load", name, e)
+                bad = conns.pop(name, None)
+                if bad is not None:
+                    bad.close()
+                backoff.failed()
+                c.add("store_failures" if is_store else "load_failures", len(idx))
+                return False
+            if not good and self._cluster and rc.last_error and rc.last_error.startswith((b"MOVED", b"ASK")):
+                rc.last_error = None
+                self._refresh_topology()
+            ok = ok and good
+        return ok
+
+    def _store(self, rc: RawConnection, keys: list[bytes], views: list[memoryview]) -> bool:
+        per_round = max(1, self._cfg.batch_bytes // max(1, self.payload_bytes))
+        n_ok = 0
+        for i in range(0, len(keys), per_round):
+            n_ok += sum(rc.set_many(keys[i : i + per_round], views[i : i + per_round], self._cfg.ttl_s))
+        c = self._state.counters
+        c.add("stored_bytes", n_ok * self.payload_bytes)
+        if n_ok < len(keys):  # e.g. OOM with maxmemory-policy noeviction
+            c.add("store_failures", len(keys) - n_ok)
+        return n_ok == len(keys)
+
+    def _load(self, rc: RawConnection, keys: list[bytes], views: list[memoryview], offload_keys: list[bytes]) -> bool:
+        status = rc.get_many_into(keys, views, self._cfg.batch_bytes)
+        c = self._state.counters
+        n_ok = status.count(resp.OK)
+        c.add("loaded_blocks", n_ok)
+        c.add("loaded_bytes", n_ok * self.payload_bytes)
+        if n_ok == len(keys):
+            return True
+        corrupt = [keys[i] for i, s in enumerate(status) if s == resp.CORRUPT]
+        for i, s in enumerate(status):
+            if s != resp.OK:
+                self._state.gone_keys.append(offload_keys[i])
+        c.add("checksum_failures", len(corrupt))
+        c.add("load_misses", status.count(resp.MISSING))
+        c.add("load_failures", len(keys) - n_ok)
+        if corrupt:  # delete so it is not found (and failed) again; the next store rewrites it
+            try:
+                self._client.delete(*corrupt) if not self._cluster else [self._client.delete(k) for k in corrupt]
+            except (redis.RedisError, OSError):
+                pass
+        return False
+
+    # -- connections ----------------------------------------------------
+    def _groups(self, redis_keys: list[bytes]):
+        """(connection name, cluster node or None, indices) per server to talk to."""
+        if not self._cluster:
+            return [("standalone", None, range(len(redis_keys)))]
+        groups: dict[str, tuple] = {}
+        for i, k in enumerate(redis_keys):
+            node = self._client.get_node_from_key(k)
+            groups.setdefault(node.name, (node.name, node, []))[2].append(i)
+        return list(groups.values())
+
+    def _connect(self, node) -> RawConnection:
+        pool = self._client.connection_pool if node is None else self._client.get_redis_connection(node).connection_pool
+        return RawConnection(pool.make_connection())
+
+    def _refresh_topology(self) -> None:
+        with self._topology_lock:
+            try:
+                self._client.nodes_manager.initialize()
+            except (redis.RedisError, OSError) as e:
+                log.warning("remote: cluster topology refresh failed: %s", e)
