@@ -1,0 +1,141 @@
+"""CPUOffloadingSpec: the CPU tier (host DRAM) built from one OffloadingConfig.
+
+extra_config keys:
+  cpu_bytes_to_use     host pool size ("8GiB" or bytes); the number of chunk
+                       slots is this divided by the 4 KiB-aligned chunk size
+  num_cpu_chunks       the number of chunk slots directly (instead of bytes)
+  kv_bytes_per_chunk   bytes of one offloaded chunk (all layers of the
+  kv_bytes_per_token   largest KV group), or per token of it
+  eviction_policy      "lru" (default), "arc" or "module:Class"
+  block_size           tokens per offloaded chunk (instead of blocks_per_chunk)
+  offload_prompt_only, self_describing_kv_events   see OffloadingSpec
+
+The manager lives in the scheduler and is built before any KV cache exists,
+so with cpu_bytes_to_use it needs the chunk size up front: give
+kv_bytes_per_chunk / kv_bytes_per_token, or num_cpu_chunks instead. The
+worker then checks the declared size against the real KV caches and raises
+ConfigError on a mismatch (the pool would not hold what the manager counts).
+Without any of them, get_worker() must come first (one process): the size
+is then taken from the KV caches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+from kvoffload.abstractions import CanonicalKVCaches, OffloadingSpec
+from kvoffload.config import (
+    CacheConfig,
+    ConfigError,
+    OffloadingConfig,
+    check_known_keys,
+    parse_bytes,
+    positive_int,
+)
+from kvoffload.policies import get_policy_class
+from kvoffload.tiers.base import align_up
+
+
+class CPUOffloadingSpec(OffloadingSpec):
+    # Subclasses extend this with their own keys.
+    EXTRA_KEYS: ClassVar[tuple[str, ...]] = (
+        "cpu_bytes_to_use", "num_cpu_chunks", "kv_bytes_per_chunk", "kv_bytes_per_token",
+        "eviction_policy", "block_size", "offload_prompt_only", "self_describing_kv_events",
+        # read by the spec registry / vLLM's connector, not by us
+        "spec_name", "spec_module_path",
+    )
+
+    def __init__(self, config: OffloadingConfig):
+        extra = config.extra_config
+        check_known_keys(extra, self.EXTRA_KEYS, f"{type(self).__name__} extra_config")
+        config = self._apply_block_size(config, extra.get("block_size"))
+        super().__init__(config)
+        self.eviction_policy: str = extra.get("eviction_policy", "lru")
+        get_policy_class(self.eviction_policy)  # unknown policy: ConfigError now, not at get_manager
+        self.kv_bytes_per_chunk: int | None = self._declared_chunk_bytes(extra)
+        if "num_cpu_chunks" in extra and "cpu_bytes_to_use" in extra:
+            raise ConfigError("give cpu_bytes_to_use or num_cpu_chunks, not both")
+        if "num_cpu_chunks" in extra:
+            self.cpu_bytes_to_use = None
+            self.num_chunks: int | None = positive_int(extra["num_cpu_chunks"], "num_cpu_chunks")
+        elif "cpu_bytes_to_use" in extra:
+            self.cpu_bytes_to_use = parse_bytes(extra["cpu_bytes_to_use"], "cpu_bytes_to_use")
+            self.num_chunks = None
+            if self.kv_bytes_per_chunk is not None:
+                self.num_chunks = self._chunks_for(self.kv_bytes_per_chunk)
+        else:
+            raise ConfigError("CPU offloading needs extra_config cpu_bytes_to_use (or num_cpu_chunks)")
+        self._manager = None
+        self._worker = None
+
+    @staticmethod
+    def _apply_block_size(config: OffloadingConfig, block_size: Any) -> OffloadingConfig:
+        """block_size (tokens per chunk) is another way to say blocks_per_chunk."""
+        if block_size is None:
+            return config
+        block_size = positive_int(block_size, "block_size")
+        tph = config.cache.tokens_per_hash
+        if block_size % tph:
+            raise ConfigError(f"block_size={block_size} must be a multiple of tokens_per_hash={tph}")
+        bpc = block_size // tph
+        if config.cache.blocks_per_chunk not in (1, bpc):
+            raise ConfigError(
+                f"block_size={block_size} means blocks_per_chunk={bpc}, "
+                f"but blocks_per_chunk={config.cache.blocks_per_chunk} was given"
+            )
+        return dataclasses.replace(config, cache=CacheConfig(tph, bpc))  # re-validated
+
+    def _declared_chunk_bytes(self, extra: dict[str, Any]) -> int | None:
+        if "kv_bytes_per_chunk" in extra and "kv_bytes_per_token" in extra:
+            raise ConfigError("give kv_bytes_per_chunk or kv_bytes_per_token, not both")
+        if "kv_bytes_per_chunk" in extra:
+            return parse_bytes(extra["kv_bytes_per_chunk"], "kv_bytes_per_chunk")
+        if "kv_bytes_per_token" in extra:
+            return parse_bytes(extra["kv_bytes_per_token"], "kv_bytes_per_token") * self.config.tokens_per_chunk
+        return None
+
+    def _chunks_for(self, chunk_bytes: int) -> int:
+        slot = align_up(chunk_bytes)  # the host pool aligns every slot to 4 KiB
+        n = self.cpu_bytes_to_use // slot
+        if n <= 0:
+            raise ConfigError(
+                f"cpu_bytes_to_use={self.cpu_bytes_to_use} holds no chunk of {chunk_bytes} bytes "
+                f"({slot} with alignment)"
+            )
+        return n
+
+    def get_manager(self):
+        if self._manager is None:
+            from kvoffload.tiers.cpu.manager import CPUOffloadingManager
+
+            if self.num_chunks is None:
+                raise ConfigError(
+                    "cpu_bytes_to_use alone does not say how many chunks fit before the KV caches "
+                    "exist: add extra_config kv_bytes_per_chunk or kv_bytes_per_token, or give "
+                    "num_cpu_chunks (or call get_worker first, in the same process)"
+                )
+            self._manager = CPUOffloadingManager(
+                self.num_chunks, policy=self.eviction_policy,
+                enable_events=self.kv_events_config.enable_kv_cache_events,
+            )
+            self._manager.chunk_bytes = self.kv_bytes_per_chunk or 0
+        return self._manager
+
+    def get_worker(self, kv_caches: CanonicalKVCaches):
+        from kvoffload.tiers.cpu.worker import CPUOffloadingWorker, chunk_layout
+
+        _, chunk_bytes = chunk_layout(kv_caches, self.config)
+        if self.kv_bytes_per_chunk is not None and chunk_bytes != self.kv_bytes_per_chunk:
+            raise ConfigError(
+                f"extra_config declares {self.kv_bytes_per_chunk} KV bytes per chunk, but the KV caches "
+                f"have {chunk_bytes} ({chunk_bytes // self.config.tokens_per_chunk} per token over "
+                f"{self.config.tokens_per_chunk} tokens): fix kv_bytes_per_chunk / kv_bytes_per_token"
+            )
+        if self.num_chunks is None:
+            self.num_chunks = self._chunks_for(chunk_bytes)
+        self.kv_bytes_per_chunk = chunk_bytes
+        if self._manager is not None:
+            self._manager.chunk_bytes = chunk_bytes
+        self._worker = CPUOffloadingWorker(kv_caches, self.config, self.num_chunks)
+        return self._worker
