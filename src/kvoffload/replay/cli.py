@@ -1,0 +1,201 @@
+"""`kvoffload replay`: replay a serving trace through real offload tiers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from kvoffload.config import ConfigError, parse_bytes
+from kvoffload.replay.traces import FORMATS, Trace, TraceError, load_trace
+
+# KV bytes per token (K and V, all layers, bf16) of common models.
+MODEL_PRESETS = {
+    "tiny": 16,
+    "llama-3.1-8b": 128 * 1024,  # 32 layers x 8 KV heads x 128 dims x 2 x 2 B
+    "llama-3.1-70b": 320 * 1024,  # 80 layers x 8 x 128 x 2 x 2 B
+    "mistral-7b": 128 * 1024,
+    "qwen2.5-7b": 56 * 1024,  # 28 layers x 4 x 128 x 2 x 2 B
+}
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "replay", help="replay a serving trace through the offload tiers and report what they buy",
+        description="Replay a trace (or, with no trace, a seeded multi-turn chat workload) through a "
+                    "simulated engine driving a real OffloadingSpec, with real byte copies checked "
+                    "byte for byte.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    t = p.add_argument_group("workload")
+    t.add_argument("trace", nargs="?", help="JSONL trace; omit for the embedded chat workload")
+    t.add_argument("--format", default="auto", choices=("auto",) + FORMATS)
+    t.add_argument("--block-size", type=int, help="tokens per block (default: the format's: "
+                   "mooncake 512, bailian 16, tokens 16, generated chat 64)")
+    t.add_argument("--limit", type=int, help="replay only the first N requests")
+    t.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
+    t.add_argument("--sessions", type=int, default=200, help="chat sessions of the generated workload")
+    s = p.add_argument_group("tiers (passed to the spec's extra_config)")
+    s.add_argument("--spec", help="spec name or module:Class (default: cpu; 'tiered' when a storage "
+                   "or remote option is given)")
+    s.add_argument("--cpu-blocks", help="CPU tier capacity in blocks, or a share of the trace's "
+                   "unique blocks such as 5%% (default 10%% unless --cpu-bytes)")
+    s.add_argument("--cpu-bytes", help="CPU tier size, e.g. 2GiB (cpu_bytes_to_use)")
+    s.add_argument("--policy", default="lru", help="eviction policy: lru, arc, or module:Class")
+    s.add_argument("--storage-dir", help="storage tier directory (storage_dir; needs a spec with a "
+                   "storage tier, e.g. tiered)")
+    s.add_argument("--storage-bytes", help="storage tier size (storage_bytes)")
+    s.add_argument("--remote-url", help="remote tier URL, e.g. redis://127.0.0.1:6379 (remote_url)")
+    s.add_argument("--offload-prompt-only", action=argparse.BooleanOptionalAction, default=None,
+                   help="offload only prompt blocks (the spec's default: yes)")
+    s.add_argument("--extra", action="append", default=[], metavar="KEY=VALUE",
+                   help="any other extra_config key (VALUE parsed as JSON when it parses)")
+    e = p.add_argument_group("engine")
+    e.add_argument("--gpu-blocks", type=int, default=0,
+                   help="GPU prefix cache size in blocks (0: the trace README's reference semantics)")
+    e.add_argument("--max-running", type=int, default=1, help="requests in flight at once")
+    e.add_argument("--model", choices=sorted(MODEL_PRESETS), help="KV bytes per token of a model")
+    e.add_argument("--kv-bytes-per-token", type=int, help="KV bytes per token (default 16: fast)")
+    e.add_argument("--arrival", choices=("asap", "trace"), default="asap",
+                   help="as fast as possible, or on the trace's timestamps (simulated clock)")
+    e.add_argument("--time-compression", type=float, default=1.0, help="divide timestamps by this")
+    e.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0,
+                   help="prefill cost, for the time-saved estimate and the simulated clock")
+    e.add_argument("--strict", action="store_true", help="stop at the first byte mismatch")
+    o = p.add_argument_group("output")
+    o.add_argument("--oracle", action="store_true", help="also simulate LRU and Belady at the same capacity")
+    o.add_argument("--sweep", help="comma-separated CPU capacities (blocks or N%%) to replay in turn")
+    o.add_argument("--json", help="write results as JSON here")
+    o.add_argument("--markdown", help="write results as Markdown here")
+    o.add_argument("--plot-dir", help="write PNG plots here")
+    o.add_argument("--no-progress", action="store_true")
+    p.set_defaults(func=run)
+    return p
+
+
+def parse_capacity(value: str, unique_blocks: int, key: str = "--cpu-blocks") -> int:
+    v = str(value).strip()
+    try:
+        if v.endswith("%"):
+            n = int(float(v[:-1]) / 100.0 * unique_blocks + 0.5)
+        else:
+            n = int(v)
+    except ValueError:
+        raise ConfigError(f"{key}: cannot parse {value!r} (blocks, or a share such as 5%)") from None
+    if n <= 0:
+        raise ConfigError(f"{key}: {value!r} gives {n} blocks; need at least 1")
+    return n
+
+
+def _extra_kv(items: list[str]) -> dict[str, Any]:
+    out = {}
+    for item in items:
+        if "=" not in item:
+            raise ConfigError(f"--extra {item!r}: expected KEY=VALUE")
+        k, v = item.split("=", 1)
+        try:
+            out[k] = json.loads(v)
+        except json.JSONDecodeError:
+            out[k] = v
+    return out
+
+
+def _load(args) -> Trace:
+    if args.trace:
+        return load_trace(args.trace, args.format, args.block_size, args.limit)
+    from kvoffload.replay.generator import generate_chat
+
+    trace = generate_chat(seed=args.seed, sessions=args.sessions, block_size=args.block_size or 64)
+    if args.limit:
+        trace.requests = trace.requests[: args.limit]
+    return trace
+
+
+def build_options(args, trace: Trace, cpu_blocks: str | None = None):
+    from kvoffload.replay.engine import EngineOptions
+
+    extra: dict[str, Any] = {"eviction_policy": args.policy}
+    cap = cpu_blocks or args.cpu_blocks
+    if cap is not None or not args.cpu_bytes:
+        extra["num_cpu_chunks"] = parse_capacity(cap or "10%", trace.num_unique_blocks())
+    if args.cpu_bytes and not cpu_blocks:
+        extra.pop("num_cpu_chunks", None)
+        extra["cpu_bytes_to_use"] = parse_bytes(args.cpu_bytes, "--cpu-bytes")
+    if args.storage_dir:
+        extra["storage_dir"] = args.storage_dir
+    if args.storage_bytes:
+        extra["storage_bytes"] = parse_bytes(args.storage_bytes, "--storage-bytes")
+    if args.remote_url:
+        extra["remote_url"] = args.remote_url
+    if args.offload_prompt_only is not None:
+        extra["offload_prompt_only"] = args.offload_prompt_only
+    extra.update(_extra_kv(args.extra))
+    spec = args.spec or ("tiered" if (args.storage_dir or args.remote_url) else "cpu")
+    kv = args.kv_bytes_per_token or MODEL_PRESETS[args.model or "tiny"]
+    return EngineOptions(
+        spec=spec, extra_config=extra, kv_bytes_per_token=kv, gpu_blocks=args.gpu_blocks,
+        max_running=args.max_running, arrival=args.arrival, time_compression=args.time_compression,
+        prefill_tokens_per_s=args.prefill_tokens_per_s, strict=args.strict,
+        progress=not args.no_progress,
+    )
+
+
+def replay_once(trace: Trace, opts, oracle: bool):
+    from kvoffload.replay.engine import replay
+    from kvoffload.replay.oracle import simulate
+
+    result = replay(trace, opts)
+    if oracle:
+        cap = next((t["gauges"].get("capacity_blocks") for t in result.tiers.values()
+                    if t["gauges"].get("capacity_blocks")), None) or opts.extra_config.get("num_cpu_chunks")
+        blocks = [r.block_hashes for r in trace.requests]
+        result.oracle = {"capacity_blocks": int(cap),
+                         "lru": simulate(blocks, int(cap), "lru").hit_rate,
+                         "belady": simulate(blocks, int(cap), "belady").hit_rate}
+    return result
+
+
+def run(args) -> int:
+    from kvoffload.replay import report
+
+    try:
+        trace = _load(args)
+        if args.sweep:
+            caps = [c.strip() for c in args.sweep.split(",") if c.strip()]
+            points = []
+            for c in caps:
+                opts = build_options(args, trace, cpu_blocks=c)
+                r = replay_once(trace, opts, args.oracle)
+                points.append((opts.extra_config["num_cpu_chunks"], r))
+                print(f"[{c}] offload prefix hit rate {report.summary(r)['offload_prefix_hit_rate']:.4f}",
+                      file=sys.stderr)
+            results = [r for _, r in points]
+            print(report.sweep_table(points))
+        else:
+            opts = build_options(args, trace)
+            results = [replay_once(trace, opts, args.oracle)]
+            points = []
+            print(report.format_table(results[0]))
+    except (ConfigError, TraceError) as e:
+        print(f"kvoffload replay: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        report.write_json([report.to_json(r) for r in results] if points else report.to_json(results[0]),
+                          args.json)
+    if args.markdown:
+        md = report.sweep_table(points) if points else report.to_markdown(results[0])
+        Path(args.markdown).write_text(md)
+    if args.plot_dir:
+        d = Path(args.plot_dir)
+        d.mkdir(parents=True, exist_ok=True)
+        report.plot_timeline(results[-1], d / "hit_rate_over_time.png")
+        if points:
+            report.plot_sweep(points, d / "hit_rate_vs_capacity.png", title=trace.name)
+        print(f"plots written to {d}/", file=sys.stderr)
+    failures = sum(r.counters["verify_failures"] for r in results)
+    if failures:
+        print(f"kvoffload replay: {int(failures)} loaded blocks did not match what was stored",
+              file=sys.stderr)
+        return 1
+    return 0

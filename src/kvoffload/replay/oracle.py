@@ -1,0 +1,112 @@
+"""Offline simulators of a prefix cache of fixed capacity (in blocks).
+
+Both follow the trace README's request semantics: at arrival a request
+looks up all its blocks and gains the leading run of resident ones (what a
+prefix cache can reuse); then its blocks are touched or inserted. They are
+the yardsticks printed beside the replay: `lru` is what the replay with an
+LRU policy and no GPU cache must match, `belady` (evict the block whose next
+use is farthest away; never admit a block needed later than every resident
+one) is the best any policy can do.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+ORACLES = ("lru", "belady")
+
+
+@dataclass
+class OracleResult:
+    policy: str
+    capacity: int
+    block_refs: int
+    prefix_hits: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.prefix_hits / self.block_refs if self.block_refs else 0.0
+
+
+def simulate(requests: Sequence[Sequence[int]], capacity: int, policy: str) -> OracleResult:
+    if policy == "lru":
+        return simulate_lru(requests, capacity)
+    if policy == "belady":
+        return simulate_belady(requests, capacity)
+    raise ValueError(f"unknown oracle {policy!r}; known: {', '.join(ORACLES)}")
+
+
+def leading_run(blocks: Sequence[int], resident) -> int:
+    n = 0
+    for b in blocks:
+        if b not in resident:
+            break
+        n += 1
+    return n
+
+
+def simulate_lru(requests: Sequence[Sequence[int]], capacity: int) -> OracleResult:
+    """LRU the way the replay drives a manager: touch the resident blocks,
+    store the missing ones (evicting least recent), then mark the request's
+    blocks used with its head most recent (so a prefix's tail goes first)."""
+    cache: OrderedDict[int, None] = OrderedDict()  # least recent first
+    hits = refs = 0
+    for blocks in requests:
+        refs += len(blocks)
+        hits += leading_run(blocks, cache)
+        if len(blocks) > capacity:  # cannot fit: the store is refused
+            for b in reversed(blocks):
+                if b in cache:
+                    cache.move_to_end(b)
+            continue
+        for b in reversed(blocks):
+            if b in cache:
+                cache.move_to_end(b)
+        for b in reversed(blocks):
+            if b not in cache:
+                if len(cache) >= capacity:
+                    cache.popitem(last=False)
+                cache[b] = None
+        for b in reversed(blocks):
+            cache.move_to_end(b)
+    return OracleResult("lru", capacity, refs, hits)
+
+
+def simulate_belady(requests: Sequence[Sequence[int]], capacity: int) -> OracleResult:
+    flat = [b for blocks in requests for b in blocks]
+    never = len(flat) + 1
+    next_use = [never] * len(flat)
+    last: dict[int, int] = {}
+    for i in range(len(flat) - 1, -1, -1):
+        next_use[i] = last.get(flat[i], never)
+        last[flat[i]] = i
+    resident: dict[int, int] = {}  # block -> position of its next use
+    heap: list[tuple[int, int]] = []  # (-next use, block), stale entries skipped
+    hits = 0
+    pos = 0
+    for blocks in requests:
+        hits += leading_run(blocks, resident)
+        for b in blocks:
+            nxt = next_use[pos]
+            pos += 1
+            if b in resident:
+                resident[b] = nxt
+                heapq.heappush(heap, (-nxt, b))
+                continue
+            if nxt == never:
+                continue  # never used again: not worth a slot
+            while len(resident) >= capacity:
+                far, victim = heapq.heappop(heap)
+                if resident.get(victim) != -far:
+                    continue  # stale entry
+                if -far < nxt:  # every resident block is needed sooner: bypass
+                    heapq.heappush(heap, (far, victim))
+                    break
+                del resident[victim]
+            if len(resident) < capacity:
+                resident[b] = nxt
+                heapq.heappush(heap, (-nxt, b))
+    return OracleResult("belady", capacity, len(flat), hits)

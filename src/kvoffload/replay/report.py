@@ -1,0 +1,225 @@
+"""What a replay found: a terminal table, JSON, Markdown and PNG plots."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from kvoffload.replay.engine import ReplayResult
+
+
+def _rate(n: float, d: float) -> float:
+    return n / d if d else 0.0
+
+
+def summary(r: ReplayResult) -> dict[str, Any]:
+    """The headline numbers, derived from the raw counters."""
+    c = r.counters
+    o = r.options
+    refs = c["block_refs"]
+    prefill = o["prefill_tokens_per_s"]
+    load_s = c["load_time_s"]
+    s: dict[str, Any] = {
+        "requests": int(c["requests"]),
+        "prompt_tokens": int(c["prompt_tokens"]),
+        "block_refs": int(refs),
+        "tokens_from_gpu_cache": int(c["gpu_hit_tokens"]),
+        "tokens_from_offload": int(c["offload_hit_tokens"]),
+        "tokens_recomputed": int(c["recomputed_tokens"]),
+        "gpu_prefix_hit_rate": _rate(c["gpu_hit_blocks"], refs),
+        "offload_prefix_hit_rate": _rate(c["offload_hit_blocks"], refs),
+        "bytes_stored": int(c["bytes_stored"]),
+        "bytes_loaded": int(c["bytes_loaded"]),
+        "store_GBps": _rate(c["bytes_stored"], c["store_time_s"]) / 1e9,
+        "load_GBps": _rate(c["bytes_loaded"], load_s) / 1e9,
+        "manager_ns_per_block_p50": r.manager_ns_per_block["p50"],
+        "manager_ns_per_block_p99": r.manager_ns_per_block["p99"],
+        "evictions": int(c["evicted_blocks"]),
+        "gpu_evictions": int(c["gpu_evictions"]),
+        "allocation_failures": int(c["allocation_failures"]),
+        "delayed_lookups": int(c["delayed_lookups"]),
+        "load_failures": int(c["load_failures"]),
+        "store_failures": int(c["store_failures"]),
+        "verified_blocks": int(c["verified_blocks"]),
+        "verify_failures": int(c["verify_failures"]),
+        # Prefill the offload tiers spared, minus the time the loads took.
+        "prefill_saved_s": c["offload_hit_tokens"] / prefill - load_s,
+        "prefill_saved_by_gpu_cache_s": c["gpu_hit_tokens"] / prefill,
+        "wall_s": r.wall_s,
+        "manager_s": r.manager_s,
+        "worker_s": r.worker_s,
+        "harness_s": r.harness_s,
+        "harness_share": _rate(r.harness_s, r.wall_s),
+    }
+    for name, t in r.tiers.items():
+        tc = t["counters"]
+        s[f"tier:{name}"] = {
+            "medium": t.get("medium"),
+            "prefix_hit_rate": _rate(tc.get("loaded_blocks", 0), refs),
+            **{k: tc.get(k, 0) for k in ("hits", "hits_pending", "stored_blocks", "loaded_blocks",
+                                          "evictions", "allocation_failures", "dropped_stores",
+                                          "checksum_failures") if k in tc},
+            "capacity_blocks": t["gauges"].get("capacity_blocks"),
+        }
+    for k, v in r.oracle.items():
+        s[f"oracle:{k}"] = v
+    return s
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if abs(v) >= 1000:
+            return f"{v:,.0f}"
+        return f"{v:.4f}" if abs(v) < 10 else f"{v:.2f}"
+    if isinstance(v, int):
+        return f"{v:,}"
+    return str(v)
+
+
+def _rows(r: ReplayResult) -> list[tuple[str, str]]:
+    s = summary(r)
+    o = r.options
+    policy = o["extra_config"].get("eviction_policy", "lru")
+    rows = [
+        ("trace", r.trace),
+        ("spec / policy", f"{o['spec']} / {policy}"),
+        ("requests", _fmt(s["requests"])),
+        ("prompt tokens", _fmt(s["prompt_tokens"])),
+        ("  from GPU cache", f"{s['tokens_from_gpu_cache']:,}"),
+        ("  from offload tiers", f"{s['tokens_from_offload']:,}"),
+        ("  recomputed", f"{s['tokens_recomputed']:,}"),
+        ("prefix hit rate: GPU cache", f"{s['gpu_prefix_hit_rate']:.4f}"),
+        ("prefix hit rate: offload", f"{s['offload_prefix_hit_rate']:.4f}"),
+    ]
+    for name, t in r.tiers.items():
+        tier = s[f"tier:{name}"]
+        rows.append((f"  tier {name} ({tier['medium']})",
+                     f"hit rate {tier['prefix_hit_rate']:.4f}, capacity "
+                     f"{_fmt(tier['capacity_blocks'])} blocks, evictions {_fmt(tier.get('evictions', 0))}"))
+    if r.oracle:
+        cap = r.oracle.get("capacity_blocks")
+        rows.append((f"oracle at {_fmt(cap)} blocks",
+                     f"LRU {r.oracle['lru']:.4f}, Belady {r.oracle['belady']:.4f} "
+                     f"({policy}: {s['offload_prefix_hit_rate']:.4f})"))
+    rows += [
+        ("bytes stored / loaded", f"{s['bytes_stored'] / 1e6:,.1f} MB / {s['bytes_loaded'] / 1e6:,.1f} MB"),
+        ("transfer GB/s store / load", f"{s['store_GBps']:.2f} / {s['load_GBps']:.2f}"),
+        ("manager ns/block p50 / p99",
+         f"{s['manager_ns_per_block_p50']:,.0f} / {s['manager_ns_per_block_p99']:,.0f}"),
+        ("evictions offload / GPU", f"{s['evictions']:,} / {s['gpu_evictions']:,}"),
+        ("allocation failures", f"{s['allocation_failures']:,}"),
+        ("delayed lookups", f"{s['delayed_lookups']:,}"),
+        ("load / store failures", f"{s['load_failures']:,} / {s['store_failures']:,}"),
+        ("verified loaded blocks", f"{s['verified_blocks']:,} ({s['verify_failures']:,} MISMATCHED)"
+         if s["verify_failures"] else f"{s['verified_blocks']:,} (all bytes match)"),
+        (f"prefill saved @ {o['prefill_tokens_per_s']:,.0f} tok/s",
+         f"{s['prefill_saved_s']:.1f} s by offload, {s['prefill_saved_by_gpu_cache_s']:.1f} s by GPU cache"),
+        ("wall time", f"{s['wall_s']:.2f} s (manager {s['manager_s']:.2f}, worker {s['worker_s']:.2f}, "
+                      f"harness {s['harness_s']:.2f} = {100 * s['harness_share']:.0f}%)"),
+    ]
+    return rows
+
+
+def format_table(r: ReplayResult) -> str:
+    rows = _rows(r)
+    w = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{w}}  {v}" for k, v in rows)
+
+
+def to_markdown(r: ReplayResult) -> str:
+    lines = ["| metric | value |", "|---|---|"]
+    lines += [f"| {k.strip()} | {v} |" for k, v in _rows(r)]
+    return "\n".join(lines) + "\n"
+
+
+def to_json(r: ReplayResult) -> dict[str, Any]:
+    return {"summary": summary(r), "result": asdict(r)}
+
+
+def write_json(obj: Any, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(obj, indent=2, default=str) + "\n")
+
+
+# ---- sweeps ---------------------------------------------------------------
+
+
+def sweep_table(points: list[tuple[int, ReplayResult]]) -> str:
+    has_oracle = any(r.oracle for _, r in points)
+    head = "| CPU capacity (blocks) | offload prefix hit rate | GPU hit rate |"
+    sep = "|---:|---:|---:|"
+    if has_oracle:
+        head += " LRU sim | Belady |"
+        sep += "---:|---:|"
+    lines = [head, sep]
+    for cap, r in points:
+        s = summary(r)
+        line = f"| {cap:,} | {s['offload_prefix_hit_rate']:.4f} | {s['gpu_prefix_hit_rate']:.4f} |"
+        if has_oracle:
+            line += f" {r.oracle.get('lru', float('nan')):.4f} | {r.oracle.get('belady', float('nan')):.4f} |"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_timeline(r: ReplayResult, path: str | Path) -> None:
+    """Prefix hit rate per window of requests, per tier."""
+    plt = _plt()
+    t = r.timeline
+    if len(t) < 2:
+        return
+    xs, series = [], {"GPU cache": [], "offload (all tiers)": []}
+    tier_names = [k for k in t[0] if k.startswith("tier:")]
+    show_tiers = len(tier_names) > 1
+    for name in tier_names if show_tiers else []:
+        series[name.split(":")[1]] = []
+    for a, b in zip(t, t[1:]):
+        refs = b["block_refs"] - a["block_refs"]
+        if refs <= 0:
+            continue
+        xs.append(b["requests"])
+        series["GPU cache"].append((b["gpu_hit_blocks"] - a["gpu_hit_blocks"]) / refs)
+        series["offload (all tiers)"].append((b["offload_hit_blocks"] - a["offload_hit_blocks"]) / refs)
+        for name in tier_names if show_tiers else []:
+            series[name.split(":")[1]].append((b.get(name, 0) - a.get(name, 0)) / refs)
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, ys in series.items():
+        ax.plot(xs, ys, label=label)
+    ax.set_xlabel("requests replayed")
+    ax.set_ylabel("prefix hit rate (per window)")
+    ax.set_title(f"{r.trace}: hit rate over time")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_sweep(points: list[tuple[int, ReplayResult]], path: str | Path, title: str = "") -> None:
+    plt = _plt()
+    caps = [cap for cap, _ in points]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    policy = points[0][1].options["extra_config"].get("eviction_policy", "lru") if points else "lru"
+    ax.plot(caps, [summary(r)["offload_prefix_hit_rate"] for _, r in points], "o-", label=f"replay ({policy})")
+    if all(r.oracle for _, r in points):
+        ax.plot(caps, [r.oracle["lru"] for _, r in points], "s--", label="LRU (offline sim)")
+        ax.plot(caps, [r.oracle["belady"] for _, r in points], "^--", label="Belady (optimal)")
+    ax.set_xscale("log")
+    ax.set_xlabel("CPU tier capacity (blocks)")
+    ax.set_ylabel("offload prefix hit rate")
+    ax.set_title(title or "hit rate vs CPU capacity")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,198 @@
+"""Serving traces: the request stream a replay drives through the tiers.
+
+A request is reduced to what a prefix cache sees: its arrival time, its
+token counts and one 64-bit hash per prompt block, prefix-chained (equal
+hashes mean an equal prefix up to and including that block). Three formats
+load from JSONL, one object per line:
+
+- mooncake: timestamp (ms), input_length, output_length, hash_ids
+  (512-token blocks, as in Mooncake's FAST'25 traces)
+- bailian:  chat_id, parent_chat_id, turn, type, timestamp (s),
+  input_length, output_length, hash_ids (16-token blocks, Alibaba Bailian)
+- tokens:   prompt (a list of token ids), optional timestamp (ms) and
+  output_length; hashed here with a prefix-chained hash of full blocks
+
+A malformed line raises TraceError naming the file and line.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+MASK64 = (1 << 64) - 1
+FORMATS = ("mooncake", "bailian", "tokens")
+DEFAULT_BLOCK_SIZE = {"mooncake": 512, "bailian": 16, "tokens": 16}
+
+
+class TraceError(ValueError):
+    """A trace file is unreadable or a line is malformed; names the line."""
+
+
+@dataclass
+class Request:
+    req_id: str
+    arrival_ms: float
+    prompt_tokens: int
+    output_tokens: int
+    block_hashes: list[int]  # one per prompt block, prefix-chained, 64-bit
+    # Hashes of the full blocks completed during decode (prompt tail plus
+    # output), when the trace lets us know them; None: unknowable, so the
+    # replay gives them hashes no later prompt can match.
+    decode_hashes: list[int] | None = None
+    session: str | None = None
+
+
+@dataclass
+class Trace:
+    name: str
+    block_size: int  # tokens per hash block
+    requests: list[Request] = field(default_factory=list)
+
+    @property
+    def num_block_refs(self) -> int:
+        return sum(len(r.block_hashes) for r in self.requests)
+
+    def num_unique_blocks(self) -> int:
+        return len({h for r in self.requests for h in r.block_hashes})
+
+    def block_tokens(self, req: Request, i: int) -> int:
+        """Tokens of prompt block i (the last block may be partial)."""
+        return max(0, min(self.block_size, req.prompt_tokens - i * self.block_size))
+
+
+def mix64(x: int) -> int:
+    """splitmix64 finalizer: spreads small trace ids over 64 bits."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def chain_hashes(tokens: np.ndarray | list[int], block_size: int, parent: int = 0) -> list[int]:
+    """Prefix-chained 64-bit hashes of the full blocks of a token sequence."""
+    import hashlib
+
+    tokens = np.asarray(tokens, dtype=np.int64)
+    out = []
+    h = parent
+    for i in range(len(tokens) // block_size):
+        blob = h.to_bytes(8, "little") + tokens[i * block_size : (i + 1) * block_size].tobytes()
+        h = int.from_bytes(hashlib.blake2b(blob, digest_size=8).digest(), "little")
+        out.append(h)
+    return out
+
+
+def _fail(path: Path, lineno: int, msg: str) -> TraceError:
+    return TraceError(f"{path}:{lineno}: {msg}")
+
+
+def _int_field(d: dict, key: str, path: Path, lineno: int, default: int | None = None) -> int:
+    if key not in d:
+        if default is not None:
+            return default
+        raise _fail(path, lineno, f"missing field {key!r}")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise _fail(path, lineno, f"{key} must be a non-negative integer, got {v!r}")
+    return v
+
+
+def _num_field(d: dict, key: str, path: Path, lineno: int, default: float | None = None) -> float:
+    if key not in d:
+        if default is not None:
+            return default
+        raise _fail(path, lineno, f"missing field {key!r}")
+    v = d[key]
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise _fail(path, lineno, f"{key} must be a non-negative number, got {v!r}")
+    return float(v)
+
+
+def _hash_ids(d: dict, path: Path, lineno: int, input_length: int, block_size: int) -> list[int]:
+    ids = d.get("hash_ids")
+    if not isinstance(ids, list):
+        raise _fail(path, lineno, f"hash_ids must be a list of integers, got {ids!r}")
+    for v in ids:
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise _fail(path, lineno, f"hash_ids must hold non-negative integers, got {v!r}")
+    need = -(-input_length // block_size)
+    if len(ids) != need:
+        raise _fail(path, lineno, f"hash_ids has {len(ids)} entries but input_length={input_length} "
+                    f"needs ceil({input_length}/{block_size})={need} (wrong --block-size?)")
+    return [mix64(v) for v in ids]
+
+
+def detect_format(first: dict) -> str:
+    if "prompt" in first:
+        return "tokens"
+    if "chat_id" in first or "parent_chat_id" in first:
+        return "bailian"
+    return "mooncake"
+
+
+def load_trace(path: str | Path, fmt: str = "auto", block_size: int | None = None,
+               limit: int | None = None) -> Trace:
+    """Read a JSONL trace; `limit` keeps only the first requests."""
+    path = Path(path)
+    if fmt != "auto" and fmt not in FORMATS:
+        raise TraceError(f"unknown trace format {fmt!r}; known: auto, {', '.join(FORMATS)}")
+    try:
+        f = path.open()
+    except OSError as e:
+        raise TraceError(f"cannot read trace {path}: {e.strerror}") from None
+    trace: Trace | None = None
+    with f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and trace is not None and len(trace.requests) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise _fail(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})") from None
+            if not isinstance(d, dict):
+                raise _fail(path, lineno, f"expected a JSON object, got {type(d).__name__}")
+            if trace is None:
+                fmt = detect_format(d) if fmt == "auto" else fmt
+                bs = block_size or DEFAULT_BLOCK_SIZE[fmt]
+                if bs <= 0:
+                    raise TraceError(f"block size must be positive, got {bs}")
+                trace = Trace(name=path.name, block_size=bs)
+            trace.requests.append(_parse(fmt, d, path, lineno, len(trace.requests), trace.block_size))
+    if trace is None or not trace.requests:
+        raise TraceError(f"{path}: no requests in trace")
+    return trace
+
+
+def _parse(fmt: str, d: dict, path: Path, lineno: int, idx: int, bs: int) -> Request:
+    if fmt == "tokens":
+        prompt = d.get("prompt")
+        if not isinstance(prompt, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise _fail(path, lineno, "prompt must be a list of integer token ids")
+        return Request(
+            req_id=str(d.get("id", idx)),
+            arrival_ms=_num_field(d, "timestamp", path, lineno, default=0.0),
+            prompt_tokens=len(prompt),
+            output_tokens=_int_field(d, "output_length", path, lineno, default=0),
+            block_hashes=chain_hashes(prompt, bs),
+        )
+    input_length = _int_field(d, "input_length", path, lineno)
+    output_length = _int_field(d, "output_length", path, lineno)
+    hashes = _hash_ids(d, path, lineno, input_length, bs)
+    if fmt == "mooncake":
+        return Request(str(idx), _num_field(d, "timestamp", path, lineno), input_length,
+                       output_length, hashes)
+    # bailian: timestamps are seconds
+    for key in ("chat_id", "turn"):
+        if key not in d:
+            raise _fail(path, lineno, f"missing field {key!r}")
+    chat = d["chat_id"]
+    return Request(f"{idx}-{chat}", _num_field(d, "timestamp", path, lineno) * 1000.0, input_length,
+                   output_length, hashes, session=str(d.get("parent_chat_id", chat)))
