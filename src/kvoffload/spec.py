@@ -10,6 +10,7 @@ from kvoffload.config import ConfigError, OffloadingConfig
 # name -> "module:Class", imported on first use so optional extras stay optional
 _SPECS: dict[str, str] = {
     "cpu": "kvoffload.tiers.cpu.spec:CPUOffloadingSpec",
+    "tiered": "kvoffload.tiering:TieredOffloadingSpec",
 }
 
 

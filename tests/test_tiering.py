@@ -1,0 +1,305 @@
+"""The composing manager over a real CPU manager, a real host pool and a real
+storage tier on files: cascades, promotions, filters, admission, back-pressure."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import pytest
+
+from kvoffload.abstractions import (
+    LookupResult,
+    Medium,
+    OffloadPolicy,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from kvoffload.keys import make_offload_key
+from kvoffload.tiering import Tier, TieringManager
+from kvoffload.tiers.base import HostPool, Namespace
+from kvoffload.tiers.cpu.manager import CPUOffloadingManager
+from kvoffload.tiers.storage.manager import StorageOffloadingManager
+from kvoffload.tiers.storage.tier import StorageTier
+
+CHUNK = 16 * 1024
+NS = Namespace(model="m", dtype="f16", layout="t", block_size=16, chunk_bytes=CHUNK)
+END = ScheduleEndContext((), ())
+HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
+
+
+def key(i: int) -> bytes:
+    return make_offload_key(i.to_bytes(8, "big"), 0)
+
+
+def pattern(k: bytes) -> np.ndarray:
+    seed = int.from_bytes(k[:8], "big")
+    return (np.arange(seed, seed + CHUNK // 8, dtype=np.uint64) * 11400714819323198485).view(np.uint8)
+
+
+class Rig:
+    """CPU manager + host pool + storage tier, wired like the spec does."""
+
+    def __init__(self, tmp_path, cpu_chunks=4, storage_slots=64, events=False, tier_cls=StorageTier, **tier_kw):
+        self.pool = HostPool(cpu_chunks, CHUNK)
+        self.cpu = CPUOffloadingManager(cpu_chunks, enable_events=events)
+        self.storage = tier_cls(str(tmp_path / "kv"), storage_slots * CHUNK, CHUNK, NS, enable_events=events)
+        self.tier = Tier(self.storage, **tier_kw)
+        self.mgr = TieringManager(self.cpu, [self.tier])
+        self.mgr.attach_workers([self.storage.get_worker(self.pool)])
+
+    def request(self, req_id="r", **params) -> ReqContext:
+        ctx = ReqContext(req_id, kv_transfer_params=params or None)
+        self.mgr.on_new_request(ctx)
+        return ctx
+
+    def gpu_store(self, keys, ctx) -> None:
+        """What the engine does for GPU -> CPU: prepare, copy, complete."""
+        out = self.mgr.prepare_store(keys, ctx)
+        assert out is not None
+        for k, slot in zip(out.keys_to_store, out.store_spec.block_ids):
+            self.pool.chunk(int(slot))[:] = pattern(k)
+        self.mgr.complete_store(out.keys_to_store, ctx)
+
+    def settle(self) -> None:
+        self.mgr.on_schedule_end(END)
+        self.mgr.wait_idle()
+
+    def close(self):
+        self.mgr.shutdown()
+        self.pool.close()
+
+
+@pytest.fixture
+def rig(tmp_path):
+    made = []
+
+    def make(**kw):
+        r = Rig(tmp_path, **kw)
+        made.append(r)
+        return r
+
+    yield make
+    for r in made:
+        r.close()
+
+
+def test_stores_cascade_to_storage_and_unpin_cpu(rig):
+    r = rig()
+    ctx = r.request()
+    keys = [key(i) for i in range(3)]
+    r.gpu_store(keys, ctx)
+    assert r.mgr.has_pending_work()
+    r.settle()
+    assert not r.mgr.has_pending_work()
+    sm = r.storage.get_manager()
+    assert [sm.lookup(k, ctx) for k in keys] == [HIT] * 3
+    assert r.cpu.get_stats().gauges["pinned_blocks"] == 0
+
+
+def test_cpu_miss_promotes_from_storage_bit_exact(rig):
+    r = rig(cpu_chunks=4)
+    ctx = r.request()
+    keys = [key(i) for i in range(8)]
+    for k in keys:  # one at a time so CPU evicts the oldest
+        r.gpu_store([k], ctx)
+        r.settle()
+    assert r.mgr.lookup(keys[0], ctx) is PENDING  # evicted from CPU, held by storage
+    assert r.mgr.has_pending_work()
+    r.settle()
+    assert r.mgr.lookup(keys[0], ctx) is HIT
+    slot = int(r.mgr.prepare_load([keys[0]], ctx).block_ids[0])
+    np.testing.assert_array_equal(r.pool.chunk(slot), pattern(keys[0]))
+    r.mgr.complete_load([keys[0]], ctx)
+    stats = r.mgr.get_stats()
+    assert stats.children[1].counters["promoted_blocks"] == 1
+    assert stats.counters["hits_pending"] == 1
+
+
+def test_promotion_without_a_free_cpu_slot_is_a_miss(rig):
+    r = rig(cpu_chunks=2)
+    ctx = r.request()
+    for i in range(4):
+        r.gpu_store([key(i)], ctx)
+        r.settle()
+    r.mgr.prepare_load([key(2), key(3)], ctx)  # pin all of CPU
+    assert r.mgr.lookup(key(0), ctx) is PENDING
+    r.settle()
+    assert r.mgr.lookup(key(0), ctx) is MISS
+    r.mgr.complete_load([key(2), key(3)], ctx)
+
+
+def test_tier_filter_from_kv_transfer_params(rig):
+    r = rig(cpu_chunks=1)
+    ctx = r.request()
+    r.gpu_store([key(0)], ctx)
+    r.settle()
+    r.gpu_store([key(1)], ctx)  # evicts key 0 from CPU
+    r.settle()
+    cpu_only = r.request("a", kv_load_tiers=[{"medium": "cpu"}])
+    assert r.mgr.lookup(key(0), cpu_only) is MISS
+    local_storage = r.request("b", kv_load_tiers=[{"medium": "STORAGE", "locality": "LOCAL"}])
+    assert r.mgr.lookup(key(0), local_storage) is PENDING
+    with pytest.raises(ValueError, match="kv_load_tiers"):
+        r.request("c", kv_load_tiers=[{"medium": "tape"}])
+    with pytest.raises(ValueError, match="kv_load_tiers"):
+        r.request("d", kv_load_tiers={"medium": "CPU"})
+
+
+def test_store_threshold_writes_only_reused_chunks(rig):
+    r = rig(store_threshold=2)
+    ctx = r.request()
+    r.gpu_store([key(0), key(1)], ctx)
+    r.settle()
+    sm = r.storage.get_manager()
+    assert sm.lookup(key(0), ctx) is MISS  # offered once
+    r.mgr.touch([key(0)], ctx)  # reused while resident in CPU: written now
+    r.settle()
+    assert sm.lookup(key(0), ctx) is HIT
+    assert sm.lookup(key(1), ctx) is MISS
+
+
+def test_back_pressure_drops_and_counts(rig):
+    r = rig(cpu_chunks=8, max_queue_depth=2)
+    ctx = r.request()
+    r.gpu_store([key(i) for i in range(4)], ctx)  # 4 chunks > depth 2: shed
+    r.settle()
+    s = r.mgr.get_stats().children[1]
+    assert s.counters["dropped_stores"] == 4
+    assert r.storage.get_manager().lookup(key(0), ctx) is MISS
+    r.gpu_store([key(10)], ctx)  # fits: written
+    r.settle()
+    assert r.storage.get_manager().lookup(key(10), ctx) is HIT
+
+
+def test_events_carry_medium_locality_and_owner(rig):
+    r = rig(events=True)
+    ctx = r.request()
+    r.gpu_store([key(0)], ctx)
+    r.settle()
+    events = list(r.mgr.take_events())
+    cpu = [e for e in events if e.medium is Medium.CPU]
+    st = [e for e in events if e.medium is Medium.STORAGE]
+    assert cpu and all(e.ownership is None for e in cpu)
+    assert st and all(e.ownership == "storage" and not e.removed and e.keys == [key(0)] for e in st)
+    assert list(r.mgr.take_events()) == []
+
+
+class _RequestLevelManager(StorageOffloadingManager):
+    def on_new_request(self, req_context):
+        return RequestOffloadingContext(OffloadPolicy.REQUEST_LEVEL)
+
+
+class _RequestLevelTier(StorageTier):
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self._manager = _RequestLevelManager(self.store, name=self.name)
+
+
+def test_request_level_tier_receives_resident_chunks(rig):
+    r = rig(tier_cls=_RequestLevelTier, store_threshold=5)  # threshold keeps the normal path out
+    ctx = r.request()
+    assert r.mgr.on_new_request(ReqContext("x")).policy is OffloadPolicy.REQUEST_LEVEL
+    r.gpu_store([key(0)], ctx)
+    r.settle()
+    sm = r.storage.get_manager()
+    assert sm.lookup(key(0), ctx) is MISS
+    r.mgr.prepare_store([key(0), key(1)], ctx)  # key 0 already resident: goes down now
+    r.settle()
+    assert sm.lookup(key(0), ctx) is HIT
+
+
+def test_restart_serves_from_storage(tmp_path):
+    r = Rig(tmp_path, cpu_chunks=4)
+    ctx = r.request()
+    r.gpu_store([key(0), key(1)], ctx)
+    r.settle()
+    r.close()
+    r2 = Rig(tmp_path, cpu_chunks=4)  # a fresh CPU tier, the same directory
+    try:
+        ctx = r2.request()
+        assert r2.mgr.lookup(key(1), ctx) is PENDING
+        r2.settle()
+        assert r2.mgr.lookup(key(1), ctx) is HIT
+        slot = int(r2.mgr.prepare_load([key(1)], ctx).block_ids[0])
+        np.testing.assert_array_equal(r2.pool.chunk(slot), pattern(key(1)))
+        r2.mgr.complete_load([key(1)], ctx)
+    finally:
+        r2.close()
+
+
+# ---- through the registered spec, with the real CPU worker -----------------
+
+def _spec(tmp_path, **tier):
+    from kvoffload.config import OffloadingConfig
+    from kvoffload.spec import build_spec
+
+    conf = {"type": "storage", "path": str(tmp_path / "kv"), "capacity_bytes": "1MiB", **tier}
+    config = OffloadingConfig.from_dict({
+        "groups": [{"tokens_per_block": 16}],
+        "extra_config": {"num_cpu_chunks": 2, "kv_bytes_per_chunk": 2 * 8192,
+                         "namespace": {"model": "tiny"}, "secondary_tiers": [conf]},
+    })
+    return build_spec("tiered", config)
+
+
+def _run_job(worker, submit, *args):
+    job = submit(*args)
+    worker.wait({args[0]})
+    assert all(r.success for r in worker.get_finished())
+
+
+def test_spec_gpu_to_storage_and_back_after_restart(tmp_path):
+    from kvoffload.abstractions import CPULoadStoreSpec, GPULoadStoreSpec
+    from kvoffload.kv_caches import random_kv_caches
+
+    tensors, caches = random_kv_caches(8, [8192, 8192])
+    spec = _spec(tmp_path)
+    mgr, worker = spec.get_manager(), spec.get_worker(caches)
+    ctx = ReqContext("r")
+    mgr.on_new_request(ctx)
+    keys = [key(i) for i in range(4)]
+    for i, k in enumerate(keys):  # CPU holds 2: the first two leave CPU, stay in storage
+        out = mgr.prepare_store([k], ctx)
+        _run_job(worker, worker.submit_store, 10 + i, GPULoadStoreSpec([i]), out.store_spec)
+        mgr.complete_store(out.keys_to_store, ctx)
+        mgr.on_schedule_end(END)
+        mgr.wait_idle()
+    original = [t[:4].clone() for t in tensors]
+    mgr.shutdown()
+    worker.shutdown()
+
+    spec2 = _spec(tmp_path)  # a new engine on the same directory
+    mgr2, worker2 = spec2.get_manager(), spec2.get_worker(caches)
+    for t in tensors:
+        t.zero_()
+    ctx = ReqContext("s")
+    mgr2.on_new_request(ctx)
+    assert [mgr2.lookup(k, ctx) for k in keys[:2]] == [PENDING, PENDING]
+    mgr2.on_schedule_end(END)
+    mgr2.wait_idle()
+    assert [mgr2.lookup(k, ctx) for k in keys[:2]] == [HIT, HIT]
+    src = mgr2.prepare_load(keys[:2], ctx)
+    assert isinstance(src, CPULoadStoreSpec)
+    _run_job(worker2, worker2.submit_load, 99, src, GPULoadStoreSpec([0, 1]))
+    mgr2.complete_load(keys[:2], ctx)
+    for t, o in zip(tensors, original):
+        assert torch.equal(t[:2], o[:2])
+    mgr2.shutdown()
+    worker2.shutdown()
+
+
+def test_spec_config_errors_name_the_key(tmp_path):
+    from kvoffload.config import ConfigError
+
+    with pytest.raises(ConfigError, match="store_threshold"):
+        _spec(tmp_path, store_threshold=0)
+    with pytest.raises(ConfigError, match="capacity_bytes"):
+        _spec(tmp_path, capacity_bytes="lots")
+    with pytest.raises(ConfigError, match="unknown key 'pth'"):
+        _spec(tmp_path, pth="x")
+    with pytest.raises(ConfigError, match="unknown secondary tier type 'tape'"):
+        _spec(tmp_path, type="tape")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match="file"):
+        _spec(tmp_path, path=str(tmp_path / "file" / "kv"))
