@@ -5,7 +5,7 @@ from collections import Counter
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from layout_ref import full_cache, rows, shard
 
@@ -13,6 +13,7 @@ from kvoffload.abstractions import (
     CanonicalKVCacheRef,
     CanonicalKVCaches,
     CanonicalKVCacheTensor,
+    CanonicalPageMapping,
     CopyRun,
 )
 from kvoffload.config import ConfigError
@@ -267,3 +268,72 @@ def test_window_holds_exactly_the_tokens_attended(n, bs, w):
     full_blocks = n // bs
     needed = {p // bs for p in range(max(0, n - w + 1), n) if p // bs < full_blocks}
     assert set(got) == needed
+
+
+def brute_force_tiles(mappings):
+    """verify_tiling's rule, byte by byte."""
+    import math
+    size = mappings[0].canonical_page_size_bytes
+    if any(m.canonical_page_size_bytes != size or not 0 <= m.writer_index < m.num_writers for m in mappings):
+        return False
+    for m in mappings:
+        local = [0] * m.local_page_size_bytes
+        for r in m.runs:
+            for i in range(r.num_fragments):
+                for k in range(r.fragment_size):
+                    j = r.local_offset + i * r.local_stride + k
+                    if not 0 <= j < len(local):
+                        return False
+                    local[j] += 1
+        if any(c != 1 for c in local):
+            return False
+    for b in range(math.lcm(*(m.num_writers for m in mappings))):
+        canon = [0] * size
+        for m in mappings:
+            if m.is_writer(b):
+                for r in m.runs:
+                    for i in range(r.num_fragments):
+                        for k in range(r.fragment_size):
+                            j = r.canonical_offset + i * r.canonical_stride + k
+                            if not 0 <= j < size:
+                                return False
+                            canon[j] += 1
+        if any(c != 1 for c in canon):
+            return False
+    return True
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_verify_tiling_matches_a_byte_by_byte_check(data):
+    # start from a valid tiling (the page cut into one piece per rank, each
+    # rank copying its piece as equal fragments), then maybe break one field
+    size = 12
+    cuts = sorted(data.draw(st.sets(st.integers(1, size - 1), max_size=2)))
+    bounds = [0, *cuts, size]
+    ranks = []
+    for lo, hi in zip(bounds, bounds[1:]):
+        n = data.draw(st.sampled_from([d for d in (1, 2, 3) if (hi - lo) % d == 0]))
+        f = (hi - lo) // n
+        ranks.append(CanonicalPageMapping(size, hi - lo, (CopyRun(0, lo, f, n, f, f),), 1, 0, True))
+    if data.draw(st.booleans()):
+        i = data.draw(st.integers(0, len(ranks) - 1))
+        run = ranks[i].runs[0]
+        field = data.draw(st.sampled_from(["local_offset", "canonical_offset", "fragment_size",
+                                           "num_fragments", "local_stride", "canonical_stride",
+                                           "local_page_size_bytes", "num_writers", "duplicate"]))
+        delta = data.draw(st.sampled_from([-1, 1]))
+        if field == "duplicate":
+            ranks.append(ranks[i])
+        elif field in ("local_page_size_bytes", "num_writers"):
+            ranks[i] = dataclasses.replace(ranks[i], **{field: max(1, getattr(ranks[i], field) + delta)})
+        else:
+            run = dataclasses.replace(run, **{field: max(0, getattr(run, field) + delta)})
+            ranks[i] = dataclasses.replace(ranks[i], runs=(run,))
+    try:
+        verify_tiling(ranks)
+        ok = True
+    except LayoutError:
+        ok = False
+    assert ok == brute_force_tiles(ranks)
+    event(f"tiles: {ok}")

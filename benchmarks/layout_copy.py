@@ -1,0 +1,80 @@
+"""Copy speed into canonical pages vs a plain page copy of the same bytes.
+
+One TP rank's pages of a Llama-like layer (16 tokens, 8 KV heads of 128,
+bf16) are copied into canonical (TP=1) pages. Reference, in the same run: a
+plain contiguous copy of the same number of bytes (what an unmapped page
+costs). Compared: layout.store_pages batched (one strided copy per run),
+store_pages per block, and ctypes.memmove per fragment (the worker's path).
+
+    .venv/bin/python benchmarks/layout_copy.py
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from kvoffload.layout import LayerLayout, ParallelLayout, store_pages, try_layer_mapping
+
+NUM_BLOCKS = 1024  # 32 MiB of local pages at TP=2: beyond the caches
+REPEATS = 15
+
+
+def timed(fn) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def case(order: str, tp: int) -> dict[str, float]:
+    layer = LayerLayout(16, 8, 128, torch.bfloat16, order=order)
+    m = try_layer_mapping(layer, ParallelLayout(0, tp))
+    local = torch.randint(0, 256, (NUM_BLOCKS, m.local_page_size_bytes), dtype=torch.uint8)
+    canon = torch.zeros(NUM_BLOCKS, m.canonical_page_size_bytes, dtype=torch.uint8)
+    plain_dst = torch.zeros_like(local)
+    nbytes = local.numel()
+    run = m.runs[0]
+    frags = [(canon.data_ptr() + b * canon.stride(0) + run.canonical_offset + i * run.canonical_stride,
+              local.data_ptr() + b * local.stride(0) + run.local_offset + i * run.local_stride)
+             for b in range(NUM_BLOCKS) for i in range(run.num_fragments)]
+
+    def memmove_fragments():
+        mv, n = ctypes.memmove, run.fragment_size
+        for dst, src in frags:
+            mv(dst, src, n)
+
+    def per_block():
+        for b in range(NUM_BLOCKS):
+            store_pages(m, local[b:b + 1], canon[b:b + 1])
+
+    t_ref = timed(lambda: plain_dst.copy_(local))
+    out = {"fragment_B": run.fragment_size, "plain_GBps": nbytes / t_ref / 1e9}
+    for name, fn in (("batched", lambda: store_pages(m, local, canon)), ("per_block", per_block),
+                     ("memmove_frag", memmove_fragments)):
+        t = timed(fn)
+        out[f"{name}_GBps"] = nbytes / t / 1e9
+        out[f"{name}_ratio"] = t_ref / t
+    return out
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    cases = [(o, tp) for o in ("NHD", "HND") for tp in (2, 8)]
+    rows = [(o, tp, case(o, tp)) for o, tp in tqdm(cases, desc="layouts")]
+    print(f"{NUM_BLOCKS} blocks of one rank's pages, median of {REPEATS}; ratio = plain copy time / this time")
+    print(f"{'order':5} {'tp':>3} {'frag B':>7} {'plain GB/s':>10} {'batched':>15} {'per block':>15} {'memmove/frag':>15}")
+    for o, tp, r in rows:
+        cells = [f"{r[k + '_GBps']:5.1f} ({r[k + '_ratio']:.2f}x)" for k in ("batched", "per_block", "memmove_frag")]
+        print(f"{o:5} {tp:>3} {r['fragment_B']:>7} {r['plain_GBps']:>10.1f} " + " ".join(f"{c:>15}" for c in cells))
+
+
+if __name__ == "__main__":
+    main()
