@@ -166,8 +166,9 @@ class StorageWorker(TierWorker):
                     raise OSError(f"short write to storage slot {job.slots[i]}")
             else:
                 expected = self.store.expected_checksum(job.slots[i])
-                got = os.preadv(fd, [buf], off)
-                if got != size or expected is None or xxhash.xxh3_64_intdigest(buf) != expected:
+                if os.preadv(fd, [buf], off) != size:
+                    raise OSError(f"short read from storage slot {job.slots[i]}")
+                if expected is None or xxhash.xxh3_64_intdigest(buf) != expected:
                     log.warning("storage slot %d: checksum mismatch, dropped", job.slots[i])
                     self.store.report_corrupt(job.slots[i])
                     job.ok = False

@@ -1,0 +1,59 @@
+"""Bad directories fail clearly at start-up; IO failures at run time are
+misses or failed stores, never exceptions into the engine."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from kvoffload.abstractions import LookupResult
+from kvoffload.tiers.storage.store import StorageError
+from kvoffload.tiers.storage.tier import StorageTier
+from storage_helpers import CHUNK, CTX, NS, fill, key, load, store
+
+
+def test_path_under_a_file_is_a_clear_startup_error(tmp_path, make_tier):
+    (tmp_path / "f").write_text("")
+    with pytest.raises(StorageError, match=r"storage directory .*f/kv"):
+        make_tier(path=tmp_path / "f" / "kv")
+
+
+def test_no_space_is_a_clear_startup_error(tmp_path):
+    with pytest.raises(StorageError, match="storage directory"):
+        StorageTier(str(tmp_path / "big"), 2**60, CHUNK, NS)  # far beyond the disk
+
+
+def test_capacity_below_one_slot_is_refused(tmp_path):
+    with pytest.raises(StorageError, match="no slot"):
+        StorageTier(str(tmp_path / "s"), CHUNK - 1, CHUNK, NS)
+
+
+def test_second_opener_is_refused(tmp_path, make_tier):
+    make_tier()
+    with pytest.raises(StorageError, match="in use by another process"):
+        make_tier()
+
+
+def test_vanished_directory_does_not_crash(tmp_path, make_tier, pool):
+    tier = make_tier()
+    fill(pool, 0, key(1))
+    assert store(tier, pool, [key(1)], [0])
+    shutil.rmtree(tmp_path / "store")
+    fill(pool, 1, key(2))
+    store(tier, pool, [key(2)], [1], job_id=5)  # may land in the unlinked files: no exception
+    load(tier, pool, [key(1)], [2], job_id=6)
+
+
+def test_io_errors_are_failed_jobs_and_misses(make_tier, pool):
+    tier = make_tier()
+    fill(pool, 0, key(1))
+    assert store(tier, pool, [key(1)], [0])
+    for fd in tier.store.fds:  # the disk goes away under the tier
+        os.close(fd)
+    tier.store.fds = [os.open("/dev/null", os.O_RDONLY) for _ in tier.store.fds]
+    assert not store(tier, pool, [key(2)], [1], job_id=7)
+    assert tier.get_manager().lookup(key(2), CTX) is LookupResult.MISS
+    assert not load(tier, pool, [key(1)], [2], job_id=8)  # a failed read: the caller's miss
+    assert tier.get_manager().get_stats().counters.get("checksum_failures", 0) == 0

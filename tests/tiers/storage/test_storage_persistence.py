@@ -1,0 +1,135 @@
+"""Persistence and crash safety on real files: restart in a new process,
+kill -9 during a storm of stores, corrupted bytes, another namespace."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from kvoffload.abstractions import LookupResult
+from kvoffload.tiers.base import HostPool, Namespace
+from kvoffload.tiers.storage.tier import StorageTier
+from storage_helpers import CHUNK, CTX, NS, close, expected, fill, key, load, store
+
+HERE = os.path.dirname(__file__)
+
+WRITER = f"""
+import sys
+sys.path.insert(0, {HERE!r})
+from kvoffload.tiers.base import HostPool
+from kvoffload.tiers.storage.tier import StorageTier
+from storage_helpers import CHUNK, NS, close, fill, key, store
+tier = StorageTier(sys.argv[1], 32 * CHUNK, CHUNK, NS)
+pool = HostPool(4, CHUNK)
+keys = [key(i) for i in range(100, 104)]
+for c, k in enumerate(keys):
+    fill(pool, c, k)
+assert store(tier, pool, keys, [0, 1, 2, 3])
+close(tier)
+"""
+
+
+def test_restart_in_a_new_process_hits(tmp_path, make_tier, pool):
+    path = tmp_path / "store"
+    subprocess.run([sys.executable, "-c", WRITER, str(path)], check=True, timeout=120)
+    tier = make_tier(path=path)
+    mgr = tier.get_manager()
+    keys = [key(i) for i in range(100, 104)]
+    assert [mgr.lookup(k, CTX) for k in keys] == [LookupResult.HIT] * 4
+    assert load(tier, pool, keys, [4, 5, 6, 7])
+    for c, k in enumerate(keys):
+        np.testing.assert_array_equal(pool.chunk(4 + c), expected(k))
+
+
+def test_other_namespace_is_never_served(tmp_path, make_tier, pool):
+    tier = make_tier()
+    fill(pool, 0, key(1))
+    assert store(tier, pool, [key(1)], [0])
+    close(tier)
+    other = make_tier(namespace=Namespace(model="other-model", dtype="float16", chunk_bytes=CHUNK))
+    assert other.get_manager().lookup(key(1), CTX) is LookupResult.MISS
+    close(other)
+    same = make_tier()
+    assert same.get_manager().lookup(key(1), CTX) is LookupResult.HIT
+
+
+def test_flipped_byte_is_a_miss_and_counted(make_tier, pool):
+    tier = make_tier()
+    keys = [key(i) for i in range(3)]
+    for c, k in enumerate(keys):
+        fill(pool, c, k)
+    assert store(tier, pool, keys, [0, 1, 2])
+    mgr = tier.get_manager()
+    slot = mgr._slot_of[keys[1]]
+    fd, off = tier.store.locate(slot)
+    # flip one byte behind the tier's back, through an ordinary buffered fd
+    path = tier.store.dir / f"slab-{slot % tier.store.num_files}.bin"
+    with open(path, "r+b") as f:
+        f.seek(off + 1234)
+        b = f.read(1)
+        f.seek(off + 1234)
+        f.write(bytes([b[0] ^ 0x40]))
+        f.flush()
+        os.fsync(f.fileno())
+    assert not load(tier, pool, [keys[1]], [5])
+    assert mgr.lookup(keys[1], CTX) is LookupResult.MISS
+    assert mgr.get_stats().counters["checksum_failures"] == 1
+    assert load(tier, pool, [keys[0], keys[2]], [6, 7])  # the others still serve
+    np.testing.assert_array_equal(pool.chunk(7), expected(keys[2]))
+    close(tier)
+    again = make_tier()  # the corrupt block stays gone after a restart
+    assert again.get_manager().lookup(keys[1], CTX) is LookupResult.MISS
+
+
+def _storm(path: str, seed: int) -> None:
+    """Child: store random keys in random batches forever (until killed)."""
+    rng = random.Random(seed)
+    tier = StorageTier(path, 48 * CHUNK, CHUNK, NS)
+    pool = HostPool(8, CHUNK)
+    job = 0
+    while True:
+        n = rng.randint(1, 8)
+        keys = list(dict.fromkeys(key(rng.randrange(200)) for _ in range(n)))
+        for c, k in enumerate(keys):
+            fill(pool, c, k)
+        job += 1
+        store(tier, pool, keys, list(range(len(keys))), job_id=job)
+
+
+@pytest.mark.slow
+def test_kill_minus_nine_during_a_store_storm_never_leaves_a_bad_key(tmp_path):
+    path = str(tmp_path / "storm")
+    rng = random.Random(1)
+    pool = HostPool(48, CHUNK)
+    held_total = 0
+    try:
+        for round_ in range(25):
+            pid = os.fork()
+            if pid == 0:  # the writer; killed mid-flight
+                try:
+                    _storm(path, round_)
+                finally:
+                    os._exit(1)
+            time.sleep(rng.uniform(0.05, 0.4))
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            tier = StorageTier(path, 48 * CHUNK, CHUNK, NS)
+            mgr = tier.get_manager()
+            held = list(mgr._slot_of)
+            held_total += len(held)
+            if held:
+                assert load(tier, pool, held, list(range(len(held))), job_id=round_), f"round {round_}"
+                for c, k in enumerate(held):
+                    np.testing.assert_array_equal(pool.chunk(c), expected(k), err_msg=f"round {round_}")
+            assert mgr.get_stats().counters.get("checksum_failures", 0) == 0
+            close(tier)
+    finally:
+        pool.close()
+    assert held_total > 0  # the storms did store things
