@@ -8,3 +8,8 @@ PY=${PYTHON:-python3}
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q "torch==2.13.0"
 .venv/bin/pip install -q -e ".[dev]"
+# Remote-tier tests and benchmarks start a real redis-server (and redis-benchmark) on loopback.
+if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } \
+    || echo "setup.sh: could not install redis-server; the remote-tier tests will fail" >&2
+fi

@@ -1,6 +1,6 @@
 """What a remote value is: a 24-byte header, then the chunk's bytes.
 
-    magic b"KVOF" | version u16 | flags u16 | payload length u64 | xxh3_64 u64
+    magic b"KVOF" | version u16 | flags u16 (0 in v1) | payload length u64 | xxh3_64 u64
 
 Checked on every load: a wrong magic, version, length or checksum (a
 truncated, foreign or corrupted value) is a miss, never served.
@@ -28,8 +28,8 @@ def make_header(payload) -> bytes:
 def check_header(header, expected_len: int) -> int | None:
     """The checksum the payload must have, or None if the header is not ours
     or announces another length."""
-    magic, version, _flags, length, checksum = HEADER.unpack(header)
-    if magic != MAGIC or version != VERSION or length != expected_len:
+    magic, version, flags, length, checksum = HEADER.unpack(header)
+    if magic != MAGIC or version != VERSION or flags != 0 or length != expected_len:
         return None
     return checksum
 

@@ -1,0 +1,158 @@
+"""Server down, hung or restarted: operations finish (bounded by socket
+timeouts and back-off, enforced here by pytest-timeout) with misses and
+dropped stores, counted; hits resume once the server is back. Bad
+credentials fail at start-up with a clear message."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from kvoffload.abstractions import LookupResult
+from kvoffload.config import ConfigError
+from kvoffload.tiers.remote.server import LocalServer, free_port
+from remote_helpers import CTX, fill, keys_for, load, lookup, make_tier, store, total
+
+FAST_FAIL = dict(connect_timeout_s=0.5, socket_timeout_s=0.5, backoff_initial_s=0.02, backoff_max_s=0.2,
+                 lookup_cache_s=0.05)
+
+
+def _engine_step(m, w, pool, i: int, prev_keys):
+    """One request: look up the previous request's blocks, load the hits, store new blocks."""
+    hits = [k for k in prev_keys if lookup(m, k) is LookupResult.HIT]
+    loaded = load(m, w, hits, list(range(8, 8 + len(hits)))) if hits else False
+    keys = keys_for(4, seed=1000 + i)
+    fill(pool, range(4), seed=1000 + i)
+    stored = store(m, w, keys, [0, 1, 2, 3])
+    return keys, len(hits), loaded, stored
+
+
+@pytest.mark.timeout(60)
+def test_kill_mid_run_then_restart(fresh_server, prefix):
+    srv = fresh_server.start()
+    tier, m, w, pool = make_tier(srv.url, prefix, num_chunks=16, chunk_bytes=32 << 10, **FAST_FAIL)
+    try:
+        prev, before, after = [], [], []
+        for i in range(30):
+            if i == 15:
+                srv.kill()
+            prev, nhits, loaded, stored = _engine_step(m, w, pool, i, prev)
+            (before if i < 15 else after).append((nhits, loaded, stored))
+        # up: every request hit the previous one's blocks and stored its own
+        assert all(h == 4 and ld and st for h, ld, st in before[1:])
+        # down: the run went on; no stores landed, no loads succeeded
+        assert not any(st for _, _, st in after) and not any(ld for _, ld, _ in after)
+        stats = [m.get_stats()]
+        assert total(stats, "dropped_stores") >= 4 * 14
+        assert total(stats, "misses") > 0
+        assert stats[0].gauges["server_up"] == 0.0
+
+        srv.start()  # same port, empty (no persistence)
+        time.sleep(0.25)  # past the back-off cap
+        resumed = []
+        prev = []
+        for i in range(30, 36):
+            prev, nhits, loaded, stored = _engine_step(m, w, pool, i, prev)
+            resumed.append((nhits, loaded, stored))
+        assert all(st for _, _, st in resumed)
+        assert all(h == 4 and ld for h, ld, _ in resumed[2:])  # hits resumed
+        keys = keys_for(4, seed=1000 + 35)
+        assert load(m, w, keys, [8, 9, 10, 11])
+        assert np.array_equal(pool.array[8:12], pool.array[0:4])
+        stats = m.get_stats()
+        assert stats.counters.get("reconnects", 0) >= 1 and stats.gauges["server_up"] == 1.0
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.timeout(60)
+def test_hung_server_times_out_then_recovers(fresh_server, prefix):
+    """SIGSTOP: the server accepts nothing and answers nothing (the 'slow' case)."""
+    srv = fresh_server.start()
+    tier, m, w, pool = make_tier(srv.url, prefix, num_chunks=8, chunk_bytes=16 << 10, **FAST_FAIL)
+    try:
+        keys = keys_for(2, seed=31)
+        fill(pool, range(2), seed=31)
+        assert store(m, w, keys, [0, 1])
+        srv.proc.send_signal(signal.SIGSTOP)
+        try:
+            m.reset_cache()
+            assert lookup(m, keys[0]) is LookupResult.MISS  # check timed out -> back-off -> miss
+            assert not store(m, w, keys_for(2, seed=32), [0, 1])
+            assert not load(m, w, keys, [2, 3])
+        finally:
+            srv.proc.send_signal(signal.SIGCONT)
+        time.sleep(0.25)
+        assert lookup(m, keys[0]) is LookupResult.HIT
+        assert load(m, w, keys, [2, 3])
+        assert np.array_equal(pool.array[0:2], pool.array[2:4])
+    finally:
+        tier.shutdown()
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_at_start_serves_misses(prefix):
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    tier, m, w, pool = make_tier(url, prefix, **FAST_FAIL)
+    try:
+        assert not tier.reachable_at_start
+        key = keys_for(1)[0]
+        assert lookup(m, key) is LookupResult.MISS
+        assert not store(m, w, [key], [0])
+        assert not load(m, w, [key], [1])
+        c = m.get_stats().counters
+        assert c["misses"] >= 1 and c["dropped_stores"] >= 1
+    finally:
+        tier.shutdown()
+
+
+def test_wrong_password_is_a_clear_startup_error(prefix):
+    with LocalServer(password="s3cret-pw") as srv:
+        url = f"redis://127.0.0.1:{srv.port}/0"
+        with pytest.raises(ConfigError, match="authentication") as e:
+            make_tier(url, prefix, password="wrong-pw")
+        assert "wrong-pw" not in str(e.value) and "s3cret-pw" not in str(e.value)
+        with pytest.raises(ConfigError, match="remote.password"):
+            make_tier(url, prefix)  # no password at all
+        with pytest.raises(ConfigError, match=r"\*\*\*"):  # the url's password is redacted
+            make_tier(f"redis://:bad@127.0.0.1:{srv.port}/0", prefix)
+        tier, m, w, pool = make_tier(url, prefix, password="s3cret-pw")  # the right one works
+        try:
+            assert store(m, w, keys_for(1), [0])
+        finally:
+            tier.shutdown()
+
+
+def test_acl_user(prefix):
+    with LocalServer() as srv:
+        import redis
+
+        r = redis.Redis(port=srv.port)
+        r.acl_setuser("kv", enabled=True, passwords=["+kvpw"], keys=[f"{prefix}:*"], commands=["+@all"])
+        tier, m, w, pool = make_tier(srv.url, prefix, username="kv", password="kvpw")
+        try:
+            assert store(m, w, keys_for(1, seed=3), [0])
+            assert lookup(m, keys_for(1, seed=3)[0]) is LookupResult.HIT
+        finally:
+            tier.shutdown()
+        with pytest.raises(ConfigError, match="user 'kv'"):
+            make_tier(srv.url, prefix, username="kv", password="nope")
+
+
+def test_store_back_pressure_drops(redis_server, prefix):
+    """Stores beyond max_queue_bytes are refused at submit (the engine never stalls)."""
+    tier, m, w, pool = make_tier(redis_server.url, prefix, chunk_bytes=64 << 10, max_queue_bytes=128 << 10)
+    try:
+        keys = keys_for(4, seed=40)
+        out = m.prepare_store(keys, CTX)
+        from kvoffload.abstractions import CPULoadStoreSpec
+
+        assert not w.submit_store(1, CPULoadStoreSpec([0, 1, 2, 3]), out.store_spec)  # 256 KiB > 128 KiB
+        m.complete_store(keys, CTX, success=False)
+        c = m.get_stats().counters
+        assert c["store_queue_full"] == 1 and c["dropped_stores"] == 4
+    finally:
+        tier.shutdown()
