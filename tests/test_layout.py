@@ -26,6 +26,7 @@ from kvoffload.layout import (
     block_rows,
     canonical_kv_caches,
     canonical_layout_id,
+    check_shareable,
     layer_mapping,
     layer_ref_mapping,
     load_pages,
@@ -193,9 +194,16 @@ def test_canonical_kv_caches_and_namespace_ids():
     assert [[r.tensor_idx for r in g] for g in kv.group_data_refs] == [[0, 0], [1]]
     assert kv.group_data_refs[0][0].page_size_bytes == t0[0].numel() * 2
     assert kv.group_data_refs[1][0].mapping.num_writers == 2
-    assert parallel_layout_id(kv, par) == "agnostic"
-    kv.group_data_refs[1][0].mapping = opaque_mapping(t1[0].numel() * 2)
+    assert parallel_layout_id(kv, par, shared_pool=True) == "agnostic"
+    check_shareable(kv)
+    # a private pool holds only this rank's heads of a GQA page
     assert parallel_layout_id(kv, par) == "tp2-rank1"
+    mla_only = CanonicalKVCaches(kv.tensors, [kv.group_data_refs[1]])
+    assert parallel_layout_id(mla_only, par) == "agnostic"  # every rank holds the whole latent
+    kv.group_data_refs[1][0].mapping = opaque_mapping(t1[0].numel() * 2)
+    assert parallel_layout_id(kv, par, shared_pool=True) == "tp2-rank1"
+    with pytest.raises(ValueError, match="group 1 ref 0 .*cannot share a host pool"):
+        check_shareable(kv)
     uncertified = CanonicalKVCaches([CanonicalKVCacheTensor(block_rows(t1), 3072)],
                                     [[CanonicalKVCacheRef(0, 3072)]])
     assert parallel_layout_id(uncertified, ParallelLayout()) == "tp1-rank0"

@@ -183,7 +183,7 @@ def test_gqa_stored_at_tp2_loads_at_tp1_and_tp4(heads):
     storer = round_trip(layers, [[0, 1]], CONFIG, store_tp=2, load_tps=[1, 4],
                         chunks_per_group=[[0, 1, 2]], num_chunks=3)
     assert storer.written[0] == storer.written[1]  # each rank writes its half
-    assert parallel_layout_id(storer.kv[0], ParallelLayout(0, 2)) == "agnostic"
+    assert parallel_layout_id(storer.kv[0], ParallelLayout(0, 2), shared_pool=True) == "agnostic"
 
 
 def test_mla_stored_at_tp2_is_written_once_and_loads_at_tp1_and_tp4():

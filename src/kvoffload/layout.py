@@ -396,10 +396,28 @@ def is_agnostic(kv_caches: CanonicalKVCaches) -> bool:
     return bool(refs) and all(r.mapping is not None and r.mapping.parallelism_agnostic for r in refs)
 
 
-def parallel_layout_id(kv_caches: CanonicalKVCaches, par: ParallelLayout) -> str:
-    """Namespace.parallel_layout: "agnostic" when any TP layout may share the
-    stored blocks, else an id that keeps each rank's opaque pages apart."""
-    return "agnostic" if is_agnostic(kv_caches) else f"tp{par.tp_size}-rank{par.tp_rank}"
+def check_shareable(kv_caches: CanonicalKVCaches) -> None:
+    """Raise ValueError unless the TP ranks may share one host pool: every
+    ref must be canonical, else ranks would overwrite each other's pages."""
+    for g, refs in enumerate(kv_caches.group_data_refs):
+        for i, ref in enumerate(refs):
+            if ref.mapping is None or not ref.mapping.parallelism_agnostic:
+                raise ValueError(f"group {g} ref {i} (tensor {ref.tensor_idx}) has no canonical mapping: "
+                                 "TP ranks cannot share a host pool; give each rank its own")
+
+
+def parallel_layout_id(kv_caches: CanonicalKVCaches, par: ParallelLayout, shared_pool: bool = False) -> str:
+    """Namespace.parallel_layout of the chunks this rank's pool holds:
+    "agnostic" when any TP layout may read them, else an id that keeps each
+    rank's pages apart. Chunks are whole canonical pages only if every ref
+    is canonical and either the pool is shared by all TP ranks or this rank
+    alone holds every byte of the page (TP=1, MLA)."""
+    complete = shared_pool or all(r.mapping is not None and r.mapping.local_page_size_bytes
+                                  == r.mapping.canonical_page_size_bytes
+                                  for g in kv_caches.group_data_refs for r in g)
+    if is_agnostic(kv_caches) and complete:
+        return "agnostic"
+    return f"tp{par.tp_size}-rank{par.tp_rank}"
 
 
 def canonical_layout_id(layers: Sequence[LayerLayout]) -> str:
