@@ -125,3 +125,13 @@ def test_flags_and_events():
     m.prepare_store([key], ctx)
     m.complete_store([key], ctx)
     assert any(key in e.keys and not e.removed for e in m.take_events())
+
+
+def test_demo_runs_and_verifies(capsys):
+    from kvoffload.cli import main
+
+    assert main(["demo", "--layers", "2", "--page-kib", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "evicted 4 to make room: A[7] A[6] A[5] A[4]" in out
+    assert "request A again: 4/8 chunks hit" in out and "request B again: 8/8 chunks hit" in out
+    assert "verified" in out
