@@ -143,7 +143,10 @@ class OffloadingConfig:
             groups.append(KVGroupConfig(g["tokens_per_block"], g.get("sliding_window")))
         tokens_per_hash = d.get("tokens_per_hash", groups[0].tokens_per_block if groups else 16)
         cache = CacheConfig(tokens_per_hash, d.get("blocks_per_chunk", 1))
-        return cls(tuple(groups), cache, dict(d.get("extra_config") or {}),
+        extra = d.get("extra_config") or {}
+        if not isinstance(extra, Mapping):
+            raise ConfigError(f"extra_config must be a dict, got {type(extra).__name__}")
+        return cls(tuple(groups), cache, dict(extra),
                    d.get("enable_kv_cache_events", False))
 
     @classmethod

@@ -1,0 +1,116 @@
+"""OffloadingConfig: dict / file / kwargs loading, and clear errors naming the key."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvoffload.config import ConfigError, OffloadingConfig, check_known_keys, parse_bytes
+
+
+def test_defaults():
+    c = OffloadingConfig.from_dict({})
+    assert [g.tokens_per_block for g in c.groups] == [16]
+    assert c.cache.tokens_per_hash == 16 and c.cache.blocks_per_chunk == 1
+    assert c.extra_config == {} and c.enable_kv_cache_events is False
+
+
+def test_groups_and_chunks():
+    c = OffloadingConfig.from_dict(
+        {"groups": [16, {"tokens_per_block": 32, "sliding_window": 128}], "tokens_per_hash": 16,
+         "blocks_per_chunk": 4, "extra_config": {"a": 1}, "enable_kv_cache_events": True}
+    )
+    assert c.tokens_per_chunk == 64
+    assert c.gpu_blocks_per_chunk(0) == 4 and c.gpu_blocks_per_chunk(1) == 2
+    assert c.groups[1].sliding_window == 128
+    assert c.extra_config == {"a": 1} and c.enable_kv_cache_events
+    assert OffloadingConfig.from_dict(c.to_dict()) == c
+
+
+def test_gpu_block_larger_than_chunk_counts_as_one():
+    c = OffloadingConfig.from_dict({"groups": [64], "tokens_per_hash": 16})
+    assert c.gpu_blocks_per_chunk(0) == 1
+
+
+def test_from_kwargs_equals_from_dict():
+    assert OffloadingConfig.from_kwargs(groups=[32], tokens_per_hash=32) == OffloadingConfig.from_dict(
+        {"groups": [32], "tokens_per_hash": 32}
+    )
+
+
+def test_from_json_and_yaml_files(tmp_path):
+    d = {"groups": [16], "blocks_per_chunk": 2, "extra_config": {"cpu_bytes_to_use": "1GiB"}}
+    (tmp_path / "c.json").write_text(json.dumps(d))
+    (tmp_path / "c.yaml").write_text("groups: [16]\nblocks_per_chunk: 2\nextra_config:\n  cpu_bytes_to_use: 1GiB\n")
+    assert OffloadingConfig.from_file(tmp_path / "c.json") == OffloadingConfig.from_file(tmp_path / "c.yaml")
+    assert OffloadingConfig.from_file(tmp_path / "c.json").cache.blocks_per_chunk == 2
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        OffloadingConfig.from_file(tmp_path / "missing.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="invalid JSON at line 1"):
+        OffloadingConfig.from_file(tmp_path / "bad.json")
+    (tmp_path / "bad.yaml").write_text("a: [1,")
+    with pytest.raises(ConfigError, match="invalid YAML"):
+        OffloadingConfig.from_file(tmp_path / "bad.yaml")
+
+
+@pytest.mark.parametrize(
+    "d, match",
+    [
+        ({"grups": [16]}, r"unknown key 'grups' \(did you mean 'groups'\?\)"),
+        ({"groups": []}, "at least one KV group"),
+        ({"groups": "16"}, "groups must be a list"),
+        ({"groups": [{"tokens_per_blok": 16}]}, r"groups\[0\]: unknown key 'tokens_per_blok'"),
+        ({"groups": [{}]}, r"groups\[0\].tokens_per_block is required"),
+        ({"groups": [0]}, r"groups\[0\].tokens_per_block must be a positive integer"),
+        ({"groups": [16, -16]}, r"groups\[1\].tokens_per_block"),
+        ({"groups": [True]}, r"groups\[0\].tokens_per_block"),
+        ({"groups": [{"tokens_per_block": 16, "sliding_window": 0}]}, r"groups\[0\].sliding_window"),
+        ({"groups": ["x"]}, r"groups\[0\] must be a mapping"),
+        ({"tokens_per_hash": 0}, "tokens_per_hash must be a positive integer"),
+        ({"blocks_per_chunk": 1.5}, "blocks_per_chunk must be a positive integer"),
+        ({"groups": [24], "tokens_per_hash": 16}, r"groups\[0\].tokens_per_block=24 must divide"),
+        ({"extra_config": [1]}, "extra_config must be a dict"),
+        ({"enable_kv_cache_events": "yes"}, "enable_kv_cache_events must be true or false"),
+    ],
+)
+def test_bad_values_name_the_key(d, match):
+    with pytest.raises(ConfigError, match=match):
+        OffloadingConfig.from_dict(d)
+
+
+def test_not_a_mapping():
+    with pytest.raises(ConfigError, match="mapping"):
+        OffloadingConfig.from_dict([("groups", [16])])
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(4096, 4096), ("4096", 4096), ("4KiB", 4096), ("4 KiB", 4096), ("1.5G", 3 * 2**29),
+     ("512MB", 512 * 10**6), ("2gib", 2 * 2**30), ("10B", 10), (8.0, 8)],
+)
+def test_parse_bytes(value, expected):
+    assert parse_bytes(value, "size") == expected
+
+
+@pytest.mark.parametrize("value", ["", "lots", "GiB", "-1", 0, -4, 1.5, True, None, "0KiB"])
+def test_parse_bytes_rejects(value):
+    with pytest.raises(ConfigError, match="size"):
+        parse_bytes(value, "size")
+
+
+@given(st.integers(1, 2**50))
+def test_parse_bytes_int_round_trip(n):
+    assert parse_bytes(n, "k") == n == parse_bytes(str(n), "k")
+
+
+def test_check_known_keys():
+    check_known_keys(["a"], ["a", "b"], "where")
+    with pytest.raises(ConfigError, match=r"where: unknown key 'c'; known keys: \['a', 'b'\]"):
+        check_known_keys(["a", "c"], ["b", "a"], "where")
