@@ -14,6 +14,8 @@ from kvoffload.tiers.remote.resp import RawConnection
 from kvoffload.tiers.remote.value import HEADER_BYTES
 from remote_helpers import fill, keys_for, load, lookup, make_tier, store
 
+pytestmark = pytest.mark.redis
+
 
 def _damage(r: redis.Redis, rkey: bytes, how: str) -> None:
     if how == "flip_payload":

@@ -16,6 +16,8 @@ from kvoffload.config import ConfigError
 from kvoffload.tiers.remote.server import LocalServer, free_port
 from remote_helpers import CTX, fill, keys_for, load, lookup, make_tier, store, total
 
+pytestmark = pytest.mark.redis
+
 FAST_FAIL = dict(connect_timeout_s=0.5, socket_timeout_s=0.5, backoff_initial_s=0.02, backoff_max_s=0.2,
                  lookup_cache_s=0.05)
 

@@ -3,12 +3,16 @@ reads the exact bytes back. Nothing is shared but the server."""
 
 from __future__ import annotations
 
+import pytest
+
 import subprocess
 import sys
 from pathlib import Path
 
 from kvoffload.abstractions import LookupResult
 from remote_helpers import keys_for, lookup, make_tier
+
+pytestmark = pytest.mark.redis
 
 PROC = Path(__file__).with_name("remote_engine_proc.py")
 

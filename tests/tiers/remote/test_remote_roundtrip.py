@@ -13,6 +13,8 @@ from kvoffload.tiers.remote import RemoteTier
 from kvoffload.tiers.remote.value import HEADER_BYTES
 from remote_helpers import CTX, fill, keys_for, load, lookup, make_tier, store
 
+pytestmark = pytest.mark.redis
+
 HIT, MISS, RETRY, HIT_PENDING = (LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY,
                                  LookupResult.HIT_PENDING)
 
