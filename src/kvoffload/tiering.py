@@ -486,19 +486,31 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
       namespace: {"model": ..., "dtype": ..., "layout": ..., "parallel_layout": ...}
         what must match for persisted blocks to be served (block size and
         chunk bytes are added from the config)
+      storage_dir, storage_bytes   shorthand for one more storage tier
+      remote_url                   shorthand for one more remote ("redis") tier
 
     The tiers are opened (directories checked, indexes read) as soon as the
     chunk size is known: at construction when kv_bytes_per_chunk /
     kv_bytes_per_token is given, else at get_worker().
     """
 
-    EXTRA_KEYS = CPUOffloadingSpec.EXTRA_KEYS + ("secondary_tiers", "namespace")
+    EXTRA_KEYS = CPUOffloadingSpec.EXTRA_KEYS + (
+        "secondary_tiers", "namespace", "storage_dir", "storage_bytes", "remote_url")
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
-        confs = self.extra_config.get("secondary_tiers") or []
+        extra = self.extra_config
+        confs = extra.get("secondary_tiers") or []
         if not isinstance(confs, list):
             raise ConfigError(f"secondary_tiers must be a list, got {confs!r}")
+        confs = list(confs)
+        if "storage_dir" in extra or "storage_bytes" in extra:
+            if not extra.get("storage_dir") or "storage_bytes" not in extra:
+                raise ConfigError("storage_dir and storage_bytes go together (a directory and its capacity)")
+            confs.append({"type": "storage", "path": extra["storage_dir"],
+                          "capacity_bytes": extra["storage_bytes"]})
+        if extra.get("remote_url"):
+            confs.append({"type": "redis", "url": extra["remote_url"]})
         for i, conf in enumerate(confs):
             if not isinstance(conf, dict):
                 raise ConfigError(f"secondary_tiers[{i}] must be a mapping, got {conf!r}")
