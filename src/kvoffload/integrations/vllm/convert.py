@@ -1,0 +1,179 @@
+"""vLLM types <-> kvoffload types. Keys need nothing: both are
+block-hash bytes + 4-byte big-endian group index. Enums map by value."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvoffload import abstractions as ko
+from kvoffload.config import CacheConfig, KVGroupConfig, OffloadingConfig
+from kvoffload.integrations.vllm._compat import OffloadingConnectorStats, vbase
+from kvoffload.metrics import COUNTERS, GAUGES, PREFIX
+
+# extra_config keys vLLM itself consumes; everything else is ours, checked by our spec.
+VLLM_OWNED_KEYS = frozenset({
+    "spec_name", "spec_module_path", "block_size", "blocks_per_chunk",
+    "canonical_layout", "sync_load_budget_bytes",
+})
+# Which kvoffload spec (name in kvoffload.spec's registry) to build.
+SPEC_KEY = "kvoffload_spec"
+# Inside vLLM our series join vLLM's namespace: vllm:kvoffload_hits{tier=...}
+# (vLLM's LLM.get_metrics() also only reports vllm:* series).
+METRIC_PREFIX = "vllm:"
+
+_LOOKUP = {r: vbase.LookupResult[r.name] for r in ko.LookupResult}
+_POLICY = {p: vbase.OffloadPolicy(p.value) for p in ko.OffloadPolicy}
+_MEDIUM = {m: vbase.Medium(m.value) for m in ko.Medium}
+_LOCALITY = {loc: vbase.Locality(loc.value) for loc in ko.Locality}
+
+
+# ---- config -----------------------------------------------------------------
+
+def offloading_config(vconfig: Any, spec_keys: tuple[str, ...] = ()) -> OffloadingConfig:
+    """Our OffloadingConfig from vLLM's. spec_keys: the extra_config keys our
+    spec accepts; what vLLM knows and the user left out is filled in for them:
+    the chunk size (the scheduler-side manager is built before any KV cache
+    exists, maybe in another process) and the namespace of persistent tiers."""
+    extra = {k: v for k, v in dict(vconfig.extra_config).items()
+             if k not in VLLM_OWNED_KEYS and k != SPEC_KEY}
+    bpc = vconfig.cache.blocks_per_chunk
+    sizes = ("kv_bytes_per_chunk", "kv_bytes_per_token", "num_cpu_chunks")
+    if ("kv_bytes_per_chunk" in spec_keys and not any(k in extra for k in sizes)
+            and vconfig.worker_kv_bytes_per_block > 0):
+        extra["kv_bytes_per_chunk"] = vconfig.worker_kv_bytes_per_block * bpc
+    if "namespace" in spec_keys:
+        ns = dict(extra.get("namespace") or {})
+        ns.setdefault("model", vconfig.model.name)
+        ns.setdefault("dtype", vconfig.model.dtype)
+        layout = getattr(vconfig, "kv_cache_layout", None)
+        if layout:
+            ns.setdefault("layout", f"vllm:{layout}")
+        extra["namespace"] = ns
+    groups = []
+    for g in vconfig.groups:
+        # 0.33 bounds sliding windows in chunks; 0.32 does not say (full attention).
+        window_chunks = getattr(g, "sliding_window_size_in_chunks", None)
+        window = window_chunks * g.tokens_per_block * bpc if window_chunks else None
+        groups.append(KVGroupConfig(g.tokens_per_block, window))
+    config = OffloadingConfig(
+        groups=tuple(groups),
+        cache=CacheConfig(vconfig.cache.tokens_per_hash, bpc),
+        extra_config=extra,
+        enable_kv_cache_events=bool(vconfig.enable_kv_cache_events),
+    )
+    return config
+
+
+# ---- scheduler side ---------------------------------------------------------
+
+def tier_filter(vfilter: Any) -> ko.TierFilter:
+    if vfilter is vbase.TierFilter.ALL:
+        return ko.TierFilter.ALL
+    return ko.TierFilter(tuple(
+        ko.TierMatcher(ko.Medium(m.medium.value) if m.medium is not None else None,
+                       ko.Locality(m.locality.value) if m.locality is not None else None)
+        for m in vfilter.matchers
+    ))
+
+
+def req_context(vctx: Any) -> ko.ReqContext | None:
+    """Our ReqContext for a vLLM one, made once and kept in its state.
+    Key positions are shared (same dict), not copied."""
+    if vctx is None:
+        return None
+    ctx = vctx._state.get(ko.ReqContext)
+    if ctx is None:
+        ctx = ko.ReqContext(vctx.req_id, vctx.kv_transfer_params, vctx.kv_hints,
+                            tier_filter(vctx.load_tier_filter))
+        ctx._offload_key_positions = vctx._offload_key_positions
+        vctx._state[ko.ReqContext] = ctx
+    return ctx
+
+
+def lookup_result(r: ko.LookupResult) -> Any:
+    return _LOOKUP[r]
+
+
+def request_offloading_context(c: ko.RequestOffloadingContext) -> Any:
+    return vbase.RequestOffloadingContext(policy=_POLICY[c.policy])
+
+
+def prepare_store_output(out: ko.PrepareStoreOutput | None) -> Any:
+    if out is None:
+        return None
+    return vbase.PrepareStoreOutput(out.keys_to_store, out.store_spec, out.evicted_keys)
+
+
+def schedule_end_context(c: Any) -> ko.ScheduleEndContext:
+    return ko.ScheduleEndContext(c.new_req_ids, c.preempted_req_ids)
+
+
+def event(e: ko.OffloadingEvent) -> Any:
+    return vbase.OffloadingEvent(
+        keys=e.keys, medium=_MEDIUM[e.medium], removed=e.removed,
+        locality=_LOCALITY[e.locality] if e.locality is not None else None,
+        ownership=e.ownership, removal_expected=e.removal_expected,
+    )
+
+
+def metric_definitions(defs: dict[str, ko.OffloadingMetricMetadata]) -> dict[str, Any]:
+    """Our metric metadata as vLLM's classes (vLLM builds the Prometheus series)."""
+    out: dict[str, Any] = {}
+    for name, m in defs.items():
+        name = METRIC_PREFIX + name
+        if isinstance(m, ko.OffloadingHistogramMetadata):
+            out[name] = vbase.OffloadingHistogramMetadata(
+                documentation=m.documentation, labelnames=m.labelnames, buckets=m.buckets)
+        elif isinstance(m, ko.OffloadingGaugeMetadata):
+            out[name] = vbase.OffloadingGaugeMetadata(documentation=m.documentation, labelnames=m.labelnames)
+        else:
+            out[name] = vbase.OffloadingCounterMetadata(documentation=m.documentation, labelnames=m.labelnames)
+    return out
+
+
+def connector_stats(stats: ko.OffloadingStats | None) -> Any:
+    """Our nested per-tier stats as one vLLM OffloadingConnectorStats, one
+    labelled series per tier. Names vLLM was not told about are left out
+    (vLLM refuses undeclared series)."""
+    if stats is None:
+        return None
+    out = OffloadingConnectorStats()
+    for s in stats.walk():
+        labels = (s.tier, s.medium.value if s.medium else "",
+                  s.locality.value if s.locality else "")
+        for name, value in s.counters.items():
+            if name in COUNTERS and value:
+                out.increase_counter(METRIC_PREFIX + PREFIX + name, value, labels)
+        for name, value in s.gauges.items():
+            if name in GAUGES:
+                out.set_gauge(METRIC_PREFIX + PREFIX + name, value, labels)
+    return out
+
+
+# ---- worker side ------------------------------------------------------------
+
+def gpu_spec(v: Any) -> ko.GPULoadStoreSpec:
+    return ko.GPULoadStoreSpec(v.block_ids, v.group_sizes, v.block_indices)
+
+
+def _page_mapping(m: Any) -> ko.CanonicalPageMapping | None:
+    if m is None:
+        return None
+    runs = tuple(ko.CopyRun(r.local_offset, r.canonical_offset, r.fragment_size,
+                            r.num_fragments, r.local_stride, r.canonical_stride) for r in m.runs)
+    return ko.CanonicalPageMapping(m.canonical_page_size_bytes, m.local_page_size_bytes, runs,
+                                   m.num_writers, m.writer_index, m.parallelism_agnostic)
+
+
+def kv_caches(v: Any) -> ko.CanonicalKVCaches:
+    """vLLM's canonical KV caches (int8 (num_blocks, page) views, the same
+    tensors, no copy) as ours."""
+    return ko.CanonicalKVCaches(
+        tensors=[ko.CanonicalKVCacheTensor(t.tensor, t.page_size_bytes) for t in v.tensors],
+        group_data_refs=[[ko.CanonicalKVCacheRef(r.tensor_idx, r.page_size_bytes, _page_mapping(r.mapping))
+                          for r in refs] for refs in v.group_data_refs],
+    )
+
+
+def transfer_result(r: ko.TransferResult) -> Any:
+    return vbase.TransferResult(r.job_id, r.success, r.transfer_size, r.transfer_time)

@@ -1,0 +1,88 @@
+"""Our OffloadingManager seen through vLLM's manager interface.
+
+vLLM's scheduler calls this with its own types; each call converts them and
+forwards to the kvoffload manager. Subclassing vLLM's base gives us its
+defaults for whatever a vLLM version adds (0.33: lock, config_info,
+on_reset_flushed) unless our manager has the same thing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from typing import Any
+
+from kvoffload import abstractions as ko
+from kvoffload.integrations.vllm import convert
+from kvoffload.integrations.vllm._compat import HAS_LOAD_SOURCE, CacheHitSource, vbase
+
+
+class VLLMOffloadingManager(vbase.OffloadingManager):
+    def __init__(self, inner: ko.OffloadingManager):
+        self.inner = inner
+
+    if hasattr(vbase.OffloadingManager, "lock"):
+        @property
+        def lock(self):  # 0.33: a manager with its own threads supplies a real lock
+            own = getattr(self.inner, "lock", None)
+            return own if own is not None else super().lock
+
+    # hot path: one call per block, so no extra layers
+    def lookup(self, key: bytes, req_context: Any) -> Any:
+        return convert._LOOKUP[self.inner.lookup(key, convert.req_context(req_context))]
+
+    if HAS_LOAD_SOURCE:
+        def get_load_source(self, key: bytes, req_context: Any) -> Any:
+            """HOST for the CPU tier; DISK for a storage tier if our manager
+            says a hit came from one (`load_medium`), else unspecified."""
+            load_medium = getattr(self.inner, "load_medium", None)
+            if load_medium is not None:
+                medium = load_medium(key, convert.req_context(req_context))
+                if medium is ko.Medium.STORAGE:
+                    return CacheHitSource.DISK
+                if medium is ko.Medium.CPU:
+                    return CacheHitSource.HOST
+                return CacheHitSource.EXTERNAL_UNSPECIFIED
+            if getattr(self.inner, "medium", None) is ko.Medium.CPU:
+                return CacheHitSource.HOST
+            return CacheHitSource.EXTERNAL_UNSPECIFIED
+
+    def prepare_load(self, keys: Collection[bytes], req_context: Any) -> ko.LoadStoreSpec:
+        # our spec travels to our worker as is (vLLM only passes it along)
+        return self.inner.prepare_load(keys, convert.req_context(req_context))
+
+    def touch(self, keys: Collection[bytes], req_context: Any) -> None:
+        self.inner.touch(keys, convert.req_context(req_context))
+
+    def complete_load(self, keys: Collection[bytes], req_context: Any) -> None:
+        self.inner.complete_load(keys, convert.req_context(req_context))
+
+    def prepare_store(self, keys: Collection[bytes], req_context: Any) -> Any:
+        return convert.prepare_store_output(self.inner.prepare_store(keys, convert.req_context(req_context)))
+
+    def complete_store(self, keys: Collection[bytes], req_context: Any, success: bool = True) -> None:
+        self.inner.complete_store(keys, convert.req_context(req_context), success)
+
+    def on_new_request(self, req_context: Any) -> Any:
+        return convert.request_offloading_context(self.inner.on_new_request(convert.req_context(req_context)))
+
+    def on_request_finished(self, req_context: Any) -> None:
+        self.inner.on_request_finished(convert.req_context(req_context))
+
+    def take_events(self) -> Iterable[Any]:
+        for e in self.inner.take_events():
+            yield convert.event(e)
+
+    def on_schedule_end(self, context: Any) -> None:
+        self.inner.on_schedule_end(convert.schedule_end_context(context))
+
+    def has_pending_work(self) -> bool:
+        return self.inner.has_pending_work()
+
+    def reset_cache(self) -> None:
+        self.inner.reset_cache()
+
+    def get_stats(self) -> Any:
+        return convert.connector_stats(self.inner.get_stats())
+
+    def shutdown(self) -> None:
+        self.inner.shutdown()
