@@ -244,7 +244,7 @@ def _spec(tmp_path, **tier):
 
 
 def _run_job(worker, submit, *args):
-    job = submit(*args)
+    assert submit(*args)
     worker.wait({args[0]})
     assert all(r.success for r in worker.get_finished())
 

@@ -307,7 +307,8 @@ class TieringManager(OffloadingManager):
             self._offer(keys)
         st = self._requests.get(req_context.req_id)
         if out is not None and st is not None and any(st.request_level):
-            resident = [k for k in keys if k not in set(out.keys_to_store)]
+            new = set(out.keys_to_store)
+            resident = [k for k in keys if k not in new]
             for i, wants in enumerate(st.request_level):
                 if wants and resident:
                     self._cascade(i, resident, req_context)
