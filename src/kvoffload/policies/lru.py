@@ -20,8 +20,7 @@ class LRUPolicy(EvictionPolicy):
         # Reversed: the tail lands older than the head, so it goes first.
         order = self._order
         for k in reversed(keys):
-            order[k] = None
-            order.move_to_end(k)
+            order[k] = None  # the manager inserts only keys it does not hold
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         move = self._order.move_to_end

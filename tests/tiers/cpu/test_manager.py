@@ -169,7 +169,7 @@ def test_double_complete_raises_and_changes_nothing(policy):
         m.complete_load(keys(1), None)
     m.prepare_load(keys(1), None)
     mid = snapshot(m)
-    with pytest.raises(BlockStateError, match="more often"):
+    with pytest.raises(BlockStateError, match="more often than"):
         m.complete_load(keys(1, 1), None)
     assert snapshot(m) == mid
     m.complete_load(keys(1), None)

@@ -47,25 +47,27 @@ class BlockStateError(KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def _as_keys(keys: Collection[OffloadKey]) -> list[bytes]:
-    """The keys as a list, each checked to be well-formed bytes."""
-    keys = keys if type(keys) is list else list(keys)
+def _check_keys(keys: Collection[object]) -> None:
+    """Raise check_key's clear error for the first malformed key. Fast when
+    all are fine: only C-level passes over the keys."""
     if keys and (set(map(type, keys)) != {bytes} or min(map(len, keys)) <= GROUP_BYTES):
         for k in keys:
             check_key(k)
-    return keys
 
 
 def prefix_order(keys: list[bytes], ctx: ReqContext | None) -> list[bytes]:
     """Keys head first: by the request's end-token positions when it has them
-    (stores may complete out of order), else as given."""
+    (stores may complete out of order, vLLM passes sets), else as given."""
     if ctx is None:
         return keys
     positions = ctx._offload_key_positions  # read directly: hot path
     if not positions:
         return keys
-    get = positions.get
-    return sorted(keys, key=lambda k: get(k, _NO_POSITION))
+    try:
+        return sorted(keys, key=positions.__getitem__)
+    except KeyError:  # some keys without a position: they go last, in given order
+        get = positions.get
+        return sorted(keys, key=lambda k: get(k, _NO_POSITION))
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -97,7 +99,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._zero_counters()
 
     def _zero_counters(self) -> None:
-        self._lookups = self._hits = self._hits_pending = 0
+        self._misses = self._hits = self._hits_pending = 0
         self._stored = self._loaded = self._evictions = 0
         self._allocation_failures = self._dropped = 0
 
@@ -108,12 +110,24 @@ class CPUOffloadingManager(OffloadingManager):
 
     # ---- lookups and loads --------------------------------------------------
 
+    # Validation costs nothing on the hot path: only keys that pass
+    # _check_keys are ever stored, so a key found in _slot_of is well formed,
+    # and a key that is not found is checked before the error is raised.
+
+    def _not_held(self, keys: Collection[object], what: str) -> BlockStateError:
+        _check_keys(keys if isinstance(keys, (list, tuple)) else list(keys))  # TypeError first
+        missing = next(k for k in keys if k not in self._slot_of)
+        return BlockStateError(f"{self.name}: {what} of key {missing!r} that is not stored")
+
     def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
-        if type(key) is not bytes:
-            check_key(key)
-        self._lookups += 1
-        slot = self._slot_of.get(key)
+        try:
+            slot = self._slot_of.get(key)
+        except TypeError:  # unhashable
+            slot = None
         if slot is None:
+            if type(key) is not bytes:
+                check_key(key)
+            self._misses += 1
             return _MISS
         if self._state[slot] == PENDING:
             self._hits_pending += 1
@@ -122,17 +136,19 @@ class CPUOffloadingManager(OffloadingManager):
         return _HIT
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
-        keys = _as_keys(keys)
         slot_of, state = self._slot_of, self._state
-        slots = [slot_of.get(k, -1) for k in keys]
-        for k, s in zip(keys, slots):
-            if s < 0:
-                raise BlockStateError(f"{self.name}: prepare_load of key {k!r} that is not stored")
-            if state[s] == PENDING:
-                raise BlockStateError(f"{self.name}: prepare_load of key {k!r} that is still being written")
+        try:
+            slots = [slot_of[k] for k in keys]
+        except (KeyError, TypeError):
+            raise self._not_held(keys, "prepare_load") from None
         newly_pinned = 0
-        for s in slots:
+        for i, s in enumerate(slots):
             v = state[s]
+            if v == PENDING:
+                for s2 in slots[:i]:  # undo: nothing changes on error
+                    state[s2] -= 1
+                key = next(k for k in keys if slot_of[k] == s)
+                raise BlockStateError(f"{self.name}: prepare_load of key {key!r} that is still being written")
             if v == 0:
                 newly_pinned += 1
             state[s] = v + 1
@@ -140,27 +156,30 @@ class CPUOffloadingManager(OffloadingManager):
         return self._make_spec(slots)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
-        keys = _as_keys(keys)
+        keys = keys if type(keys) is list else list(keys)
+        if keys and set(map(type, keys)) != {bytes}:
+            _check_keys(keys)
         self.policy.touch(prefix_order(keys, req_context), req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
-        keys = _as_keys(keys)
         slot_of, state = self._slot_of, self._state
-        slots = [slot_of.get(k, -1) for k in keys]
-        for k, s in zip(keys, slots):
-            if s < 0 or state[s] <= 0:
-                raise BlockStateError(f"{self.name}: complete_load of key {k!r} that has no load in flight")
+        try:
+            slots = [slot_of[k] for k in keys]
+        except (KeyError, TypeError):
+            raise self._not_held(keys, "complete_load") from None
         unpinned = 0
         for i, s in enumerate(slots):
-            v = state[s] - 1
-            if v < 0:  # a key listed more often than it was pinned: undo all
-                for s2 in slots[:i]:
+            v = state[s]
+            if v <= 0:  # not pinned, or listed more often than pinned
+                for s2 in slots[:i]:  # undo: nothing changes on error
                     state[s2] += 1
+                key = next(k for k in keys if slot_of[k] == s)
                 raise BlockStateError(
-                    f"{self.name}: complete_load lists key {keys[i]!r} more often than it was loaded"
+                    f"{self.name}: complete_load of key {key!r} that has no load in flight "
+                    f"(or is listed more often than it was loaded)"
                 )
-            state[s] = v
-            if v == 0:
+            state[s] = v - 1
+            if v == 1:
                 unpinned += 1
         self._num_pinned -= unpinned
         self._loaded += len(slots)
@@ -173,11 +192,16 @@ class CPUOffloadingManager(OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext | None = None
     ) -> PrepareStoreOutput | None:
-        keys = _as_keys(keys)
         slot_of = self._slot_of
-        new = [k for k in keys if k not in slot_of]
-        if len(new) > 1:
-            new = list(dict.fromkeys(new))  # a key listed twice gets one slot
+        try:
+            new = [k for k in keys if k not in slot_of]
+        except TypeError:  # unhashable
+            _check_keys(list(keys))
+            raise
+        if new:
+            _check_keys(new)
+            if len(new) > 1:
+                new = list(dict.fromkeys(new))  # a key listed twice gets one slot
         free = self._free
         evicted: list[bytes] = []
         need = len(new) - len(free)
@@ -201,8 +225,9 @@ class CPUOffloadingManager(OffloadingManager):
             if self._events is not None:
                 self._events.append(OffloadingEvent(list(victims), self.medium, True, self.locality))
         state = self._state
-        slots = free[len(free) - len(new):]
-        del free[len(free) - len(new):]
+        cut = len(free) - len(new)
+        slots = free[cut:]
+        del free[cut:]
         slots.reverse()  # lowest slot to the first key, as free.pop() would
         for k, s in zip(new, slots):
             slot_of[k] = s
@@ -213,20 +238,21 @@ class CPUOffloadingManager(OffloadingManager):
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext | None = None, success: bool = True
     ) -> None:
-        keys = _as_keys(keys)
         if not keys:
             return
         slot_of, state = self._slot_of, self._state
-        for k in keys:
-            if k not in slot_of:
-                raise BlockStateError(f"{self.name}: complete_store of key {k!r} that was never prepared")
-        pending = [k for k in keys if state[slot_of[k]] == PENDING]
+        try:
+            pending = [k for k in keys if state[slot_of[k]] == PENDING]
+        except (KeyError, TypeError):
+            _check_keys(list(keys))
+            missing = next(k for k in keys if k not in slot_of)
+            raise BlockStateError(f"{self.name}: complete_store of key {missing!r} that was never prepared") from None
         if not pending:
             raise BlockStateError(
                 f"{self.name}: complete_store of keys with no store in flight "
-                f"(already completed?), first {keys[0]!r}"
+                f"(already completed?), first {next(iter(keys))!r}"
             )
-        if len(pending) > 1:
+        if len(pending) > 1 and type(keys) is not set:
             pending = list(dict.fromkeys(pending))
         self._num_pending -= len(pending)
         if success:
@@ -270,9 +296,9 @@ class CPUOffloadingManager(OffloadingManager):
         used = self.num_chunks - len(self._free)
         bpc = self.chunk_bytes
         counters = {
-            "lookups": self._lookups,
+            "lookups": self._hits + self._hits_pending + self._misses,
             "hits": self._hits,
-            "misses": self._lookups - self._hits - self._hits_pending,
+            "misses": self._misses,
             "hits_pending": self._hits_pending,
             "stored_blocks": self._stored,
             "stored_bytes": self._stored * bpc,

@@ -1,0 +1,250 @@
+"""Manager overhead: microseconds per block for the whole scheduler-side
+lifecycle, ours against vLLM 0.33's own CPUOffloadingManager, same stream.
+
+Stream (seeded): requests made of a shared document prefix (Zipf popularity)
+plus a fresh suffix, or the next turn of an earlier conversation (its whole
+history plus new blocks). Per request, each manager is driven the way its
+scheduler drives it:
+    on_new_request
+    lookup() each key until the first miss
+    prepare_load(hits) -> complete_load(hits)   (+ touch(hits) for ours:
+                                                 vLLM 0.33 moved recency into
+                                                 on_request_finished)
+    prepare_store(the rest) in steps of --step-blocks blocks; each step's
+        complete_store(set(keys_to_store)) arrives --lag steps later
+    on_request_finished
+Every key's end-token position is set on the request context, as vLLM's
+scheduler does. Only manager calls run inside the timed loop; keys and
+contexts are built beforehand. The figure is the timed loop's thread CPU
+time per block (wall time is printed too; on a shared machine it mostly
+measures the neighbours). Best of --repeats.
+
+vLLM runs in its own venv (--vllm-python), as a subprocess that imports it
+once and then runs the same driver (this file) on the same stream on
+request, so the two sides alternate and share the machine's noise.
+
+    .venv/bin/python benchmarks/bench_manager.py --vllm-python /work/venv-vllm033/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+GROUP = (0).to_bytes(4, "big")
+TOKENS_PER_BLOCK = 16
+
+
+def make_stream(n_blocks: int, seed: int, n_docs: int = 400) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Block ids per request (flat + offsets) and one 32-byte hash per id."""
+    rng = np.random.default_rng(seed)
+    next_id = 0
+
+    def fresh(n: int) -> list[int]:
+        nonlocal next_id
+        ids = list(range(next_id, next_id + n))
+        next_id += n
+        return ids
+
+    docs = [fresh(int(n)) for n in rng.integers(4, 96, n_docs)]
+    weights = 1.0 / np.arange(1, n_docs + 1) ** 1.1
+    weights /= weights.sum()
+    convs: list[list[int]] = []
+    requests: list[list[int]] = []
+    total = 0
+    while total < n_blocks:
+        if convs and rng.random() < 0.35:
+            i = int(rng.integers(len(convs)))
+            req = convs[i] + fresh(int(rng.integers(2, 24)))
+            convs[i] = req
+        else:
+            req = docs[int(rng.choice(n_docs, p=weights))] + fresh(int(rng.integers(1, 48)))
+            convs.append(req)
+            if len(convs) > 300:
+                convs.pop(0)
+        req = req[:512]  # context limit
+        requests.append(req)
+        total += len(req)
+    offsets = np.cumsum([0] + [len(r) for r in requests]).astype(np.int64)
+    flat = np.fromiter((b for r in requests for b in r), dtype=np.int64, count=int(offsets[-1]))
+    hashes = rng.integers(0, 256, (next_id, 32), dtype=np.uint8)
+    return flat, offsets, hashes
+
+
+def load_requests(path: str) -> list[list[bytes]]:
+    data = np.load(path)
+    flat, offsets, hashes = data["flat"], data["offsets"], data["hashes"]
+    key_of = [h.tobytes() + GROUP for h in hashes]
+    return [[key_of[b] for b in flat[offsets[i]: offsets[i + 1]]] for i in range(len(offsets) - 1)]
+
+
+def run(manager, ReqContext, HIT, requests, step_blocks: int, lag: int, touch: bool, progress: bool) -> dict:
+    """Drive one manager through the stream; returns timings and counts."""
+    import gc
+
+    ctxs = []
+    for i, keys in enumerate(requests):
+        ctx = ReqContext(req_id=f"r{i}")
+        for pos, k in enumerate(keys):
+            ctx.set_offload_key_position(k, (pos + 1) * TOKENS_PER_BLOCK)
+        ctxs.append(ctx)
+    cum = np.cumsum([0] + [len(r) for r in requests]).tolist()  # blocks before request i
+    n_blocks = cum[-1]
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=n_blocks, unit="blk", unit_scale=True, mininterval=0.5, leave=False, file=sys.stderr)
+    m = manager
+    lookup, prepare_load, complete_load = m.lookup, m.prepare_load, m.complete_load
+    prepare_store, complete_store, m_touch = m.prepare_store, m.complete_store, m.touch
+    hits = stored = failed = evicted = 0
+    inflight: list[tuple[set, object]] = []  # (keys, ctx) of stores not yet completed
+    shown = 0
+    gc.collect()
+    gc.freeze()  # setup objects out of the collector's way, as vLLM does after start-up
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for i, (keys, ctx) in enumerate(zip(requests, ctxs)):
+        m.on_new_request(ctx)
+        n_hit = 0
+        for k in keys:
+            if lookup(k, ctx) is not HIT:
+                break
+            n_hit += 1
+        if n_hit:
+            hit_keys = keys[:n_hit]
+            if touch:
+                m_touch(hit_keys, ctx)
+            prepare_load(hit_keys, ctx)
+            complete_load(set(hit_keys), ctx)
+            hits += n_hit
+        for s in range(n_hit, len(keys), step_blocks):
+            out = prepare_store(keys[s: s + step_blocks], ctx)
+            if out is None:
+                failed += 1
+            elif out.keys_to_store:
+                evicted += len(out.evicted_keys)
+                stored += len(out.keys_to_store)
+                inflight.append((set(out.keys_to_store), ctx))
+            while len(inflight) > lag:
+                done_keys, done_ctx = inflight.pop(0)
+                complete_store(done_keys, done_ctx)
+        m.on_request_finished(ctx)
+        if bar is not None and i % 64 == 0:
+            bar.update(cum[i + 1] - shown)
+            shown = cum[i + 1]
+    for done_keys, done_ctx in inflight:
+        complete_store(done_keys, done_ctx)
+    elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    gc.unfreeze()
+    if bar is not None:
+        bar.close()
+    # CPU time of this thread: the machine is shared, wall time counts other jobs too
+    return {"seconds": elapsed, "cpu_seconds": cpu, "us_per_block": cpu / n_blocks * 1e6,
+            "wall_us_per_block": elapsed / n_blocks * 1e6, "blocks": n_blocks,
+            "requests": len(requests), "hit_blocks": hits, "stored_blocks": stored,
+            "evicted_blocks": evicted, "failed_stores": failed}
+
+
+def run_ours(policy: str, requests, args) -> dict:
+    from kvoffload.abstractions import LookupResult, ReqContext
+    from kvoffload.tiers.cpu.manager import CPUOffloadingManager
+
+    m = CPUOffloadingManager(args.capacity, policy)
+    return run(m, ReqContext, LookupResult.HIT, requests, args.step_blocks, args.lag, True, not args.no_progress)
+
+
+def run_vllm(policy: str, requests, args) -> dict:
+    from vllm.v1.kv_offload.base import LookupResult, ReqContext
+    from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
+
+    m = CPUOffloadingManager(num_chunks=args.capacity, cache_policy=policy)
+    return run(m, ReqContext, LookupResult.HIT, requests, args.step_blocks, args.lag, False, not args.no_progress)
+
+
+def serve_vllm(args) -> None:
+    """Subprocess side: import vLLM once, then run on request ("lru"/"arc")."""
+    import vllm.v1.kv_offload.cpu.manager  # noqa: F401  (import cost outside the runs)
+
+    requests = load_requests(args.stream)
+    print(json.dumps({"ready": True, "vllm": __import__("vllm").__version__}), flush=True)
+    for line in sys.stdin:
+        policy = line.strip()
+        if not policy:
+            break
+        print(json.dumps(run_vllm(policy, requests, args)), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--blocks", type=int, default=200_000, help="blocks in the stream (default 200k)")
+    ap.add_argument("--capacity", type=int, default=16_384, help="CPU chunks (default 16384)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--step-blocks", type=int, default=16, help="blocks per prepare_store call")
+    ap.add_argument("--lag", type=int, default=4, help="stores in flight before the oldest completes")
+    ap.add_argument("--policies", default="lru,arc")
+    ap.add_argument("--repeats", type=int, default=3, help="runs per side and policy; the best counts")
+    ap.add_argument("--vllm-python", help="python of a venv with vLLM 0.33 (omit to time ours only)")
+    ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--no-progress", action="store_true")
+    ap.add_argument("--serve-vllm", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--stream", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.serve_vllm:
+        serve_vllm(args)
+        return
+
+    with tempfile.TemporaryDirectory() as tmp:
+        stream = str(Path(tmp) / "stream.npz")
+        flat, offsets, hashes = make_stream(args.blocks, args.seed)
+        np.savez(stream, flat=flat, offsets=offsets, hashes=hashes)
+        requests = load_requests(stream)
+        print(f"stream: {len(requests)} requests, {len(flat)} blocks, {len(hashes)} distinct; "
+              f"capacity {args.capacity} chunks, {args.step_blocks} blocks per store, lag {args.lag}")
+        proc = None
+        if args.vllm_python:
+            cmd = [args.vllm_python, __file__, "--serve-vllm", "--stream", stream,
+                   "--capacity", str(args.capacity), "--step-blocks", str(args.step_blocks),
+                   "--lag", str(args.lag)] + (["--no-progress"] if args.no_progress else [])
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                    env={**__import__("os").environ, "VLLM_TARGET_DEVICE": "cpu"})
+            hello = json.loads(proc.stdout.readline())
+            print(f"vLLM {hello['vllm']} from {args.vllm_python}")
+        results = {}
+        for policy in args.policies.split(","):
+            ours, ref = [], []
+            for r in range(args.repeats):
+                ours.append(run_ours(policy, requests, args))
+                if proc is not None:
+                    proc.stdin.write(policy + "\n")
+                    proc.stdin.flush()
+                    ref.append(json.loads(proc.stdout.readline()))
+            best = min(ours, key=lambda x: x["us_per_block"])
+            line = (f"{policy}: ours {best['us_per_block']:.2f} us/block "
+                    f"(hit {best['hit_blocks'] / best['blocks']:.1%}, evicted {best['evicted_blocks']})")
+            res = {"ours": best, "ours_all_us": [x["us_per_block"] for x in ours]}
+            if ref:
+                vbest = min(ref, key=lambda x: x["us_per_block"])
+                ratio = best["us_per_block"] / vbest["us_per_block"]
+                line += (f"  vLLM {vbest['us_per_block']:.2f} us/block (hit {vbest['hit_blocks'] / vbest['blocks']:.1%},"
+                         f" evicted {vbest['evicted_blocks']})  ratio ours/vLLM {ratio:.2f}"
+                         f" ({'meets' if ratio <= 0.5 else 'misses'} goal <= 0.5)")
+                res.update(vllm=vbest, vllm_all_us=[x["us_per_block"] for x in ref], ratio=ratio)
+            print(line, flush=True)
+            results[policy] = res
+        if proc is not None:
+            proc.stdin.close()
+            proc.wait()
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
