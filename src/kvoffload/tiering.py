@@ -57,6 +57,7 @@ _MISS, _HIT, _PENDING, _RETRY = (LookupResult.MISS, LookupResult.HIT,
 # from_config(conf: dict, ctx: TierContext); imported on first use.
 _TIER_TYPES: dict[str, str] = {
     "storage": "kvoffload.tiers.storage.tier:StorageTier",
+    "redis": "kvoffload.tiers.remote.tier:RemoteTier",
 }
 
 # keys of a secondary_tiers entry that the composing manager reads itself

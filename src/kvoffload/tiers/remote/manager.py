@@ -107,8 +107,23 @@ class RemoteOffloadingManager(OffloadingManager):
             return MISS
         self._checking.add(key)
         self._checker.ask(key)
+        self._ask_rest_of_prefix(key, req_context)
         c.add("retries")
         return RETRY
+
+    def _ask_rest_of_prefix(self, key: OffloadKey, ctx: ReqContext) -> None:
+        # Schedulers look up a prefix key by key and stop at the first
+        # non-HIT, which would cost one round trip per block. The request's
+        # key positions name the rest of its prefix: check it all at once.
+        positions = ctx._offload_key_positions
+        pos = positions.get(key)
+        if pos is None:
+            return
+        known = (self._present, self._absent, self._checking, self._storing)
+        for k, p in positions.items():
+            if p > pos and not any(k in d for d in known):
+                self._checking.add(k)
+                self._checker.ask(k)
 
     def prefetch(self, keys: Iterable[OffloadKey]) -> None:
         """Start existence checks for keys without a fresh answer, so a
@@ -133,7 +148,8 @@ class RemoteOffloadingManager(OffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         self._drain()
         if not self._state.backoff.available():
-            self._counters.add("dropped_stores", len(keys))
+            # the caller counts the drop (dropped_stores); we count why
+            self._counters.add("stores_refused", len(keys))
             return None
         to_store = [k for k in keys if k not in self._present and k not in self._storing]
         self._storing.update(to_store)
@@ -148,8 +164,7 @@ class RemoteOffloadingManager(OffloadingManager):
         expiry = now + self._cfg.lookup_cache_s
         done = [k for k in keys if k in self._storing]
         self._storing.difference_update(done)
-        if not success:
-            self._counters.add("dropped_stores", len(done))
+        if not success:  # counted where it failed (worker: store_failures / store_queue_full)
             return
         for k in done:
             self._absent.pop(k, None)

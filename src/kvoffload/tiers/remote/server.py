@@ -9,6 +9,7 @@ on PATH (Debian: `apt-get install redis-server`; scripts/setup.sh does it).
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -31,10 +32,19 @@ def find_benchmark_binary() -> str | None:
     return shutil.which("redis-benchmark") or shutil.which("valkey-benchmark")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(highest: int = 65535) -> int:
+    """A port free on loopback now. Cluster nodes also use port+10000, so
+    they ask for one <= 55535."""
+    for _ in range(1000):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", 0 if highest == 65535 else random.randint(20000, highest)))
+            except OSError:  # taken: try another
+                continue
+            port = s.getsockname()[1]
+        if port <= highest:
+            return port
+    raise RuntimeError(f"no free loopback port <= {highest}")
 
 
 class LocalServer:
@@ -48,7 +58,8 @@ class LocalServer:
             raise FileNotFoundError(
                 "no redis-server or valkey-server binary found: install Debian's redis-server "
                 "(scripts/setup.sh does) or set KVOFFLOAD_REDIS_SERVER")
-        self.port = port or free_port()
+        cluster = "--cluster-enabled" in extra_args
+        self.port = port or free_port(55535 if cluster else 65535)
         self.password = password
         self.maxmemory = maxmemory
         self.extra_args = tuple(extra_args)

@@ -16,7 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvoffload.abstractions import Locality, Medium
-from kvoffload.tiers.base import HostPool, Namespace, SecondaryTier
+from kvoffload.config import ConfigError
+from kvoffload.tiers.base import HostPool, Namespace, SecondaryTier, align_up
 from kvoffload.tiers.remote.config import RemoteConfig
 from kvoffload.tiers.remote.connection import build_client, check_server
 from kvoffload.tiers.remote.manager import RemoteOffloadingManager
@@ -42,6 +43,16 @@ class RemoteTier(SecondaryTier):
         self._manager: RemoteOffloadingManager | None = None
         self._worker: RemoteTierWorker | None = None
 
+    @classmethod
+    def from_config(cls, conf: dict[str, Any], ctx) -> RemoteTier:
+        """Build from one `secondary_tiers` entry (type "redis"; tier-level
+        keys already removed); ctx is kvoffload.tiering.TierContext."""
+        try:
+            cfg = RemoteConfig.from_dict(conf)
+        except ConfigError as e:
+            raise ConfigError(f"secondary_tiers[{ctx.index}] (redis): {e}") from None
+        return cls(cfg, ctx.namespace, name=ctx.name, enable_events=ctx.enable_events)
+
     def get_manager(self) -> RemoteOffloadingManager:
         if self._manager is None:
             self._manager = RemoteOffloadingManager(self.client, self.keyspace, self.config, self.state,
@@ -51,7 +62,7 @@ class RemoteTier(SecondaryTier):
     def get_worker(self, pool: HostPool) -> RemoteTierWorker:
         if self._worker is None:
             ns_bytes = self.namespace.chunk_bytes
-            if ns_bytes and ns_bytes != pool.used_chunk_bytes:
+            if ns_bytes and align_up(ns_bytes) != pool.chunk_bytes:
                 raise ValueError(f"remote tier: namespace says {ns_bytes}-byte chunks, "
                                  f"host pool holds {pool.used_chunk_bytes}")
             self._worker = RemoteTierWorker(pool, self.client, self.config, self.state)
