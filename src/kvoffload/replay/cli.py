@@ -185,6 +185,7 @@ def run(args) -> int:
                           args.json)
     if args.markdown:
         md = report.sweep_table(points) if points else report.to_markdown(results[0])
+        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(md)
     if args.plot_dir:
         d = Path(args.plot_dir)

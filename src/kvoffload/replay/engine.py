@@ -59,6 +59,7 @@ class EngineOptions:
     time_compression: float = 1.0
     prefill_tokens_per_s: float = 10_000.0
     max_delay_steps: int = 1000  # then a pending lookup counts as a miss
+    idle_sleep_s: float = 0.0002  # a step with nothing to do sleeps this long
     samples: int = 100  # points of the hit-rate-over-time series
     strict: bool = False  # raise on the first byte mismatch instead of counting it
     progress: bool = True
@@ -91,11 +92,12 @@ class ReplayResult:
     manager_s: float
     worker_s: float
     content_s: float
+    idle_s: float
     oracle: dict[str, float] = field(default_factory=dict)
 
     @property
     def harness_s(self) -> float:
-        return max(0.0, self.wall_s - self.manager_s - self.worker_s)
+        return max(0.0, self.wall_s - self.manager_s - self.worker_s - self.idle_s)
 
 
 class ReplayEngine:
@@ -134,6 +136,7 @@ class ReplayEngine:
         self._jobs: dict[int, tuple[_Run, bool, list[bytes], np.ndarray, np.ndarray, int]] = {}
         self.c: dict[str, float] = dict.fromkeys((
             "requests", "prompt_tokens", "block_refs", "gpu_hit_blocks", "offload_hit_blocks",
+            "offload_hit_blocks_after_pending", "idle_waits",
             "gpu_hit_tokens", "offload_hit_tokens", "recomputed_tokens", "stored_blocks_offered",
             "store_jobs", "load_jobs", "bytes_loaded", "bytes_stored", "load_time_s", "store_time_s",
             "evicted_blocks", "allocation_failures", "delayed_lookups", "delay_timeouts",
@@ -144,6 +147,7 @@ class ReplayEngine:
         self._mgr_s = 0.0
         self._worker_s = 0.0
         self._content_s = 0.0
+        self._idle_s = 0.0
         self._tiers: dict[str, dict[str, Any]] = {}
         self.timeline: list[dict[str, float]] = []
 
@@ -172,6 +176,7 @@ class ReplayEngine:
             return
         for s in st.walk():
             tier = self._tiers.setdefault(s.tier, {"medium": getattr(s.medium, "value", None),
+                                                   "composite": bool(s.children),
                                                    "counters": {}, "gauges": {}})
             for k, v in s.counters.items():
                 tier["counters"][k] = tier["counters"].get(k, 0) + v
@@ -209,10 +214,15 @@ class ReplayEngine:
             self.manager.on_schedule_end(ScheduleEndContext(new_ids, ()))
             self._mgr_s += time.perf_counter() - t0
             finished = self._settle()
-            if not finished and not new_ids and self._jobs:
+            if not finished and not new_ids:
                 t0 = time.perf_counter()
-                self.worker.wait(set(self._jobs))
-                self._worker_s += time.perf_counter() - t0
+                if self._jobs:
+                    self.worker.wait(set(self._jobs))
+                    self._worker_s += time.perf_counter() - t0
+                else:  # only the tiers are busy (promotions): let their threads run
+                    time.sleep(self.opts.idle_sleep_s)
+                    self._idle_s += time.perf_counter() - t0
+                    c["idle_waits"] += 1
                 finished = self._settle()
             now += max(1.0, 1000.0 * self._step_tokens / opts.prefill_tokens_per_s)
             for _ in range(finished):
@@ -239,6 +249,7 @@ class ReplayEngine:
                                   "mean": float(t.mean())},
             timeline=self.timeline,
             wall_s=wall, manager_s=self._mgr_s, worker_s=self._worker_s, content_s=self._content_s,
+            idle_s=self._idle_s,
         )
 
     def close(self) -> None:
@@ -253,6 +264,7 @@ class ReplayEngine:
         self._step_tokens = 0  # tokens prefilled this step (the simulated clock)
         mgr = self.manager
         c = self.c
+        skipped: list[tuple[Request, int]] = []  # delayed: first in line next step, as in vLLM
         for _ in range(len(waiting)):
             if len(self.running) >= self.opts.max_running:
                 break
@@ -270,6 +282,7 @@ class ReplayEngine:
                 self._mgr(t0, 1)
                 ctx._replay_keys = keys  # type: ignore[attr-defined]
                 ctx._replay_level = roc.policy == OffloadPolicy.REQUEST_LEVEL  # type: ignore[attr-defined]
+                ctx._replay_pending = set()  # type: ignore[attr-defined]
                 self._ctx[req.req_id] = ctx
             keys = ctx._replay_keys  # type: ignore[attr-defined]
             n_gpu = self.gpu.match(hashes)
@@ -288,11 +301,12 @@ class ReplayEngine:
                     continue
                 if r is not _MISS:
                     pending = True
+                    ctx._replay_pending.add(k)  # type: ignore[attr-defined]
                 break
             if pending:
                 if delays < self.opts.max_delay_steps:
                     c["delayed_lookups"] += 1
-                    waiting.append((req, delays + 1))
+                    skipped.append((req, delays + 1))
                     continue
                 c["delay_timeouts"] += 1
             n_dec = self._num_decode_blocks(req)
@@ -320,6 +334,11 @@ class ReplayEngine:
             c["block_refs"] += plen
             c["gpu_hit_blocks"] += n_gpu
             c["offload_hit_blocks"] += n_off
+            if ctx._replay_pending:  # type: ignore[attr-defined]
+                # answered HIT_PENDING first: promoted from a lower tier (or a
+                # store in flight) before this request could load it
+                was = ctx._replay_pending  # type: ignore[attr-defined]
+                c["offload_hit_blocks_after_pending"] += sum(k in was for k in keys[n_gpu:n_gpu + n_off])
             tok = self.trace.block_tokens
             g_tok = sum(tok(req, i) for i in range(n_gpu))
             o_tok = sum(tok(req, i) for i in range(n_gpu, n_gpu + n_off))
@@ -329,6 +348,7 @@ class ReplayEngine:
             self._step_tokens += req.prompt_tokens - g_tok - o_tok
             if n_off:
                 self._submit_load(run)
+        waiting.extendleft(reversed(skipped))
         return new_ids
 
     def _submit_load(self, run: _Run) -> None:
@@ -489,7 +509,8 @@ class ReplayEngine:
         mgr.touch(run.keys[:plen], run.ctx)
         mgr.on_request_finished(run.ctx)
         self._mgr(t0, plen)
-        self.gpu.release(run.slots)
+        # Tail first, as vLLM frees them: the head stays cached longest.
+        self.gpu.release(run.slots[::-1])
         self.running.remove(run)
         del self._ctx[run.req.req_id]
         run.phase = "done"

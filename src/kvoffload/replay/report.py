@@ -50,22 +50,49 @@ def summary(r: ReplayResult) -> dict[str, Any]:
         "wall_s": r.wall_s,
         "manager_s": r.manager_s,
         "worker_s": r.worker_s,
+        "idle_s": r.idle_s,
+        "content_s": r.content_s,
         "harness_s": r.harness_s,
         "harness_share": _rate(r.harness_s, r.wall_s),
     }
-    for name, t in r.tiers.items():
-        tc = t["counters"]
-        s[f"tier:{name}"] = {
-            "medium": t.get("medium"),
-            "prefix_hit_rate": _rate(tc.get("loaded_blocks", 0), refs),
-            **{k: tc.get(k, 0) for k in ("hits", "hits_pending", "stored_blocks", "loaded_blocks",
-                                          "evictions", "allocation_failures", "dropped_stores",
-                                          "checksum_failures") if k in tc},
-            "capacity_blocks": t["gauges"].get("capacity_blocks"),
-        }
+    s["tiers"] = tier_rows(r)
     for k, v in r.oracle.items():
         s[f"oracle:{k}"] = v
     return s
+
+
+def tier_rows(r: ReplayResult) -> dict[str, dict[str, Any]]:
+    """Per offload tier: its stats, and the share of prompt blocks it served.
+
+    Every load reaches the GPU from the CPU tier; a block that a lower tier
+    held is first promoted into CPU (its lookup answers HIT_PENDING). So the
+    CPU tier serves the blocks it answered HIT straight away, and the lower
+    tiers the ones that were pending first (split between several lower
+    tiers by how many blocks each read into CPU)."""
+    c = r.counters
+    refs = c["block_refs"]
+    leaves = {n: t for n, t in r.tiers.items() if not t.get("composite")}
+    names = list(leaves)
+    promoted = c["offload_hit_blocks_after_pending"]
+    lower_reads = sum(leaves[n]["counters"].get("loaded_blocks", 0) for n in names[1:])
+    out = {}
+    for name, t in leaves.items():
+        tc = t["counters"]
+        if len(leaves) == 1:
+            served = c["offload_hit_blocks"]
+        elif name == names[0]:
+            served = c["offload_hit_blocks"] - promoted
+        else:  # the promoted blocks, shared out by what each lower tier read
+            served = promoted * _rate(tc.get("loaded_blocks", 0), lower_reads)
+        out[name] = {
+            "medium": t.get("medium"),
+            "prefix_hit_rate": _rate(served, refs),
+            "capacity_blocks": t["gauges"].get("capacity_blocks"),
+            **{k: tc[k] for k in ("lookups", "hits", "hits_pending", "stored_blocks", "loaded_blocks",
+                                  "evictions", "allocation_failures", "dropped_stores",
+                                  "checksum_failures") if k in tc},
+        }
+    return out
 
 
 def _fmt(v: Any) -> str:
@@ -93,11 +120,11 @@ def _rows(r: ReplayResult) -> list[tuple[str, str]]:
         ("prefix hit rate: GPU cache", f"{s['gpu_prefix_hit_rate']:.4f}"),
         ("prefix hit rate: offload", f"{s['offload_prefix_hit_rate']:.4f}"),
     ]
-    for name, t in r.tiers.items():
-        tier = s[f"tier:{name}"]
+    for name, tier in s["tiers"].items():
         rows.append((f"  tier {name} ({tier['medium']})",
                      f"hit rate {tier['prefix_hit_rate']:.4f}, capacity "
-                     f"{_fmt(tier['capacity_blocks'])} blocks, evictions {_fmt(tier.get('evictions', 0))}"))
+                     f"{_fmt(tier['capacity_blocks'])} blocks, stored {_fmt(tier.get('stored_blocks', 0))}, "
+                     f"evictions {_fmt(tier.get('evictions', 0))}"))
     if r.oracle:
         cap = r.oracle.get("capacity_blocks")
         rows.append((f"oracle at {_fmt(cap)} blocks",
@@ -116,8 +143,9 @@ def _rows(r: ReplayResult) -> list[tuple[str, str]]:
          if s["verify_failures"] else f"{s['verified_blocks']:,} (all bytes match)"),
         (f"prefill saved @ {o['prefill_tokens_per_s']:,.0f} tok/s",
          f"{s['prefill_saved_s']:.1f} s by offload, {s['prefill_saved_by_gpu_cache_s']:.1f} s by GPU cache"),
-        ("wall time", f"{s['wall_s']:.2f} s (manager {s['manager_s']:.2f}, worker {s['worker_s']:.2f}, "
-                      f"harness {s['harness_s']:.2f} = {100 * s['harness_share']:.0f}%)"),
+        ("wall time", f"{s['wall_s']:.2f} s: manager {s['manager_s']:.2f}, worker {s['worker_s']:.2f}, "
+                      f"idle {s['idle_s']:.2f}, harness {s['harness_s']:.2f} = {100 * s['harness_share']:.0f}% "
+                      f"(block contents {s['content_s']:.2f})"),
     ]
     return rows
 
@@ -139,7 +167,9 @@ def to_json(r: ReplayResult) -> dict[str, Any]:
 
 
 def write_json(obj: Any, path: str | Path) -> None:
-    Path(path).write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, default=str) + "\n")
 
 
 # ---- sweeps ---------------------------------------------------------------

@@ -1,0 +1,30 @@
+import json
+from pathlib import Path
+
+import pytest
+
+MOONCAKE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+@pytest.fixture
+def mooncake_path() -> Path:
+    if not MOONCAKE.exists():
+        pytest.skip(f"shared trace not found at {MOONCAKE}")
+    return MOONCAKE
+
+
+@pytest.fixture
+def mooncake_file(tmp_path):
+    """Write a tiny Mooncake-format trace from lists of block ids."""
+    def make(requests, block_size=4, name="t.jsonl"):
+        return write_mooncake(tmp_path / name, requests, block_size)
+    return make
+
+
+def write_mooncake(path: Path, requests: list[list[int]], block_size: int = 4, step_ms: int = 10) -> Path:
+    """A tiny Mooncake-format trace: full blocks of block_size tokens."""
+    with path.open("w") as f:
+        for i, ids in enumerate(requests):
+            f.write(json.dumps({"timestamp": i * step_ms, "input_length": len(ids) * block_size,
+                                "output_length": 3, "hash_ids": ids}) + "\n")
+    return path

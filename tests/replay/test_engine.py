@@ -1,0 +1,182 @@
+"""The replay engine over the real CPU spec, on traces small enough to count by hand."""
+
+from collections import OrderedDict
+
+import numpy as np
+import pytest
+
+from kvoffload.config import ConfigError
+from kvoffload.replay.engine import EngineOptions, ReplayEngine, VerificationError, replay
+from kvoffload.replay.generator import generate_chat
+from kvoffload.replay.oracle import simulate
+from kvoffload.replay.traces import load_trace
+
+
+def opts(cpu_blocks, **kw):
+    extra = {"num_cpu_chunks": cpu_blocks, "eviction_policy": kw.pop("policy", "lru")}
+    extra.update(kw.pop("extra", {}))
+    return EngineOptions(extra_config=extra, progress=False, **kw)
+
+
+def counts(r):
+    c = r.counters
+    return int(c["gpu_hit_blocks"]), int(c["offload_hit_blocks"]), int(c["block_refs"])
+
+
+def check_tokens_add_up(r):
+    c = r.counters
+    assert c["gpu_hit_tokens"] + c["offload_hit_tokens"] + c["recomputed_tokens"] == c["prompt_tokens"]
+    assert c["verify_failures"] == 0
+    assert c["verified_blocks"] == c["offload_hit_blocks"]
+
+
+def test_prefix_hits_with_room_for_everything(mooncake_file):
+    # r1 reuses 1,2; r2 reuses 1; r3 reuses 1,2,3: 6 of 12 blocks
+    tr = load_trace(mooncake_file([[1, 2, 3], [1, 2, 4], [1, 5], [1, 2, 3, 6]]), block_size=4)
+    r = replay(tr, opts(100))
+    assert counts(r) == (0, 6, 12)
+    assert r.counters["offload_hit_tokens"] == 24 and r.counters["bytes_loaded"] == 6 * 4 * 16
+    assert r.tiers["cpu"]["counters"]["stored_blocks"] == 6  # 1,2,3,4,5,6
+    check_tokens_add_up(r)
+
+
+def test_lru_eviction_by_hand(mooncake_file):
+    # cap 3 (see test_oracle.test_lru_by_hand): 4 prefix hits of 10
+    tr = load_trace(mooncake_file([[1, 2, 3], [1, 4], [1, 2, 3], [1, 4]]), block_size=4)
+    r = replay(tr, opts(3))
+    assert counts(r) == (0, 4, 10)
+    assert r.counters["evicted_blocks"] == 3  # 3 (for 4), 4 (for 3), 3 again (for 4)
+    check_tokens_add_up(r)
+
+
+def test_gpu_prefix_cache_serves_first(mooncake_file):
+    tr = load_trace(mooncake_file([[1, 2, 3], [1, 2, 4], [1, 5], [1, 2, 3, 6]]), block_size=4)
+    big = replay(tr, opts(100, gpu_blocks=10))
+    assert counts(big) == (6, 0, 12)
+    # One idle GPU block: the head (1) survives, freed last; the rest comes
+    # from the CPU tier: r1 loads 2, r3 loads 2,3.
+    one = replay(tr, opts(100, gpu_blocks=1))
+    assert counts(one) == (3, 3, 12)
+    check_tokens_add_up(one)
+
+
+def test_request_larger_than_the_tier_is_refused_not_fatal(mooncake_file):
+    tr = load_trace(mooncake_file([[1, 2, 3, 4], [1, 2, 3, 4]]), block_size=4)
+    r = replay(tr, opts(2))
+    assert counts(r) == (0, 0, 8)
+    assert r.counters["allocation_failures"] == 2
+
+
+def test_first_500_mooncake_requests_match_an_independent_lru(mooncake_path):
+    tr = load_trace(mooncake_path, limit=500)
+    cap = 400
+    # The simplest LRU of the same semantics: at arrival count the leading
+    # resident run; touch the resident blocks, store the missing ones
+    # (evicting least recent), then order the request's blocks head most recent.
+    lru: OrderedDict = OrderedDict()
+    hits = 0
+    for req in tr.requests:
+        blocks = req.block_hashes
+        n = 0
+        while n < len(blocks) and blocks[n] in lru:
+            n += 1
+        hits += n
+        for b in reversed(blocks):
+            if b in lru:
+                lru.move_to_end(b)
+        for b in reversed(blocks):
+            if b not in lru:
+                if len(lru) == cap:
+                    lru.popitem(last=False)
+                lru[b] = True
+        for b in reversed(blocks):
+            lru.move_to_end(b)
+    r = replay(tr, opts(cap))
+    assert hits > 0
+    assert counts(r) == (0, hits, tr.num_block_refs)
+    assert simulate([q.block_hashes for q in tr.requests], cap, "lru").prefix_hits == hits
+    check_tokens_add_up(r)
+    arc = replay(tr, opts(cap, policy="arc"))
+    best = simulate([q.block_hashes for q in tr.requests], cap, "belady").prefix_hits
+    assert arc.counters["offload_hit_blocks"] <= best and hits <= best
+
+
+def test_decode_blocks_stored_only_when_asked():
+    tr = generate_chat(seed=1, sessions=12, block_size=32)
+    prompt_only = replay(tr, opts(5000))
+    with_decode = replay(tr, opts(5000, extra={"offload_prompt_only": False}))
+    assert prompt_only.options["offload_prompt_only"] and not with_decode.options["offload_prompt_only"]
+    assert with_decode.counters["offload_hit_blocks"] > prompt_only.counters["offload_hit_blocks"]
+    assert (with_decode.tiers["cpu"]["counters"]["stored_blocks"]
+            > prompt_only.tiers["cpu"]["counters"]["stored_blocks"])
+    check_tokens_add_up(with_decode)
+
+
+def test_concurrent_requests_on_trace_time():
+    tr = generate_chat(seed=2, sessions=30, block_size=32)
+    r = replay(tr, opts(300, gpu_blocks=64, max_running=4, arrival="trace", time_compression=10.0))
+    assert r.counters["requests"] == len(tr.requests)
+    assert r.counters["gpu_hit_blocks"] > 0 and r.counters["offload_hit_blocks"] > 0
+    assert r.counters["sim_time_ms"] >= tr.requests[-1].arrival_ms / 10.0
+    check_tokens_add_up(r)
+
+
+def _corrupt_after_stores(engine):
+    """Scribble over every host-pool chunk as soon as a store lands."""
+    real = engine.worker.get_finished
+
+    def get_finished():
+        results = real()
+        if any(not engine._jobs[res.job_id][1] for res in results if res.job_id in engine._jobs):
+            engine.worker.pool.array[:, :8] ^= 0x5A
+        return results
+
+    engine.worker.get_finished = get_finished
+
+
+def test_corrupt_bytes_are_caught_and_recomputed(mooncake_file, capsys):
+    tr = load_trace(mooncake_file([[1, 2], [1, 2], [1, 3]]), block_size=4)
+    engine = ReplayEngine(tr, opts(10))
+    _corrupt_after_stores(engine)
+    try:
+        r = engine.run()
+    finally:
+        engine.close()
+    assert r.counters["verify_failures"] == 3  # r1 loads 1,2; r2 loads 1
+    assert r.counters["offload_hit_tokens"] == 0  # corrupt loads do not count as served
+    assert r.counters["recomputed_tokens"] == r.counters["prompt_tokens"]
+    assert "VERIFY FAILED" in capsys.readouterr().err
+    strict = ReplayEngine(tr, EngineOptions(extra_config={"num_cpu_chunks": 10}, progress=False, strict=True))
+    _corrupt_after_stores(strict)
+    with pytest.raises(VerificationError, match="differ from what was stored"):
+        try:
+            strict.run()
+        finally:
+            strict.close()
+
+
+def test_contents_depend_on_the_hash(mooncake_file):
+    tr = load_trace(mooncake_file([[1, 2]]), block_size=4)
+    engine = ReplayEngine(tr, opts(4))
+    try:
+        engine.run()
+        gpu = engine.gpu
+        seeds = np.array([11, 12], dtype=np.int64)
+        slots = np.array([0, 1])
+        gpu.fill(slots, seeds)
+        assert not len(gpu.check(slots, seeds))
+        assert list(gpu.check(slots, seeds[::-1])) == [0, 1]
+    finally:
+        engine.close()
+
+
+def test_bad_options_name_the_value(mooncake_file):
+    tr = load_trace(mooncake_file([[1]]), block_size=4)
+    with pytest.raises(ConfigError, match="'nope'"):
+        replay(tr, opts(4, policy="nope"))
+    with pytest.raises(ConfigError, match="multiple of 8"):
+        replay(tr, opts(4, kv_bytes_per_token=3))
+    with pytest.raises(ConfigError, match="unknown key 'bogus'"):
+        replay(tr, opts(4, extra={"bogus": 1}))
+    r = replay(tr, opts(4, policy="kvoffload.policies.lru:LRUPolicy"))
+    assert r.counters["requests"] == 1
