@@ -5,6 +5,8 @@ bf16) are copied into canonical (TP=1) pages. Reference, in the same run: a
 plain contiguous copy of the same number of bytes (what an unmapped page
 costs). Compared: layout.store_pages batched (one strided copy per run),
 store_pages per block, and ctypes.memmove per fragment (the worker's path).
+Second table: CPUOffloadingWorker store jobs through those mappings, against
+the same worker storing unmapped pages of the same size.
 
     .venv/bin/python benchmarks/layout_copy.py
 """
@@ -18,7 +20,11 @@ import time
 import torch
 from tqdm import tqdm
 
+from kvoffload.abstractions import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.config import OffloadingConfig
+from kvoffload.kv_caches import make_kv_caches
 from kvoffload.layout import LayerLayout, ParallelLayout, store_pages, try_layer_mapping
+from kvoffload.tiers.cpu.worker import CPUOffloadingWorker
 
 NUM_BLOCKS = 1024  # 32 MiB of local pages at TP=2: beyond the caches
 REPEATS = 15
@@ -65,6 +71,35 @@ def case(order: str, tp: int) -> dict[str, float]:
     return out
 
 
+def worker_store_seconds(mapping, local: torch.Tensor) -> float:
+    """Median seconds of one worker store job of every block, page by page."""
+    kv = make_kv_caches([local])
+    kv.group_data_refs[0][0].mapping = mapping
+    w = CPUOffloadingWorker(kv, OffloadingConfig.from_dict({"groups": [16]}), local.shape[0])
+    ids = list(range(local.shape[0]))
+    job = iter(range(1 << 30))
+
+    def store():
+        j = next(job)
+        assert w.submit_store(j, GPULoadStoreSpec(ids[::-1]), CPULoadStoreSpec(ids)), w.last_error
+        w.wait({j})
+        w.get_finished()
+
+    try:
+        return timed(store)
+    finally:
+        w.shutdown()
+
+
+def worker_case(order: str, tp: int) -> dict[str, float]:
+    layer = LayerLayout(16, 8, 128, torch.bfloat16, order=order)
+    m = try_layer_mapping(layer, ParallelLayout(0, tp))
+    local = torch.randint(0, 256, (NUM_BLOCKS, m.local_page_size_bytes), dtype=torch.uint8)
+    t_ref = worker_store_seconds(None, local)
+    t = worker_store_seconds(m, local)
+    return {"ref_GBps": local.numel() / t_ref / 1e9, "GBps": local.numel() / t / 1e9, "ratio": t_ref / t}
+
+
 def main() -> None:
     torch.set_num_threads(1)
     cases = [(o, tp) for o in ("NHD", "HND") for tp in (2, 8)]
@@ -74,6 +109,11 @@ def main() -> None:
     for o, tp, r in rows:
         cells = [f"{r[k + '_GBps']:5.1f} ({r[k + '_ratio']:.2f}x)" for k in ("batched", "per_block", "memmove_frag")]
         print(f"{o:5} {tp:>3} {r['fragment_B']:>7} {r['plain_GBps']:>10.1f} " + " ".join(f"{c:>15}" for c in cells))
+    wrows = [(o, tp, worker_case(o, tp)) for o, tp in tqdm(cases, desc="worker")]
+    print("CPU worker store job of all blocks; ratio = unmapped store time / mapped store time")
+    print(f"{'order':5} {'tp':>3} {'unmapped GB/s':>13} {'mapped GB/s':>11} {'ratio':>6}")
+    for o, tp, r in wrows:
+        print(f"{o:5} {tp:>3} {r['ref_GBps']:>13.1f} {r['GBps']:>11.1f} {r['ratio']:>5.2f}x")
 
 
 if __name__ == "__main__":

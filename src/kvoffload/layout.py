@@ -22,6 +22,8 @@ group needs.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import logging
 import math
@@ -188,6 +190,11 @@ def try_layer_mapping(layer: LayerLayout, par: ParallelLayout) -> CanonicalPageM
                                 parallelism_agnostic=True)
 
 
+@functools.lru_cache(maxsize=256)  # layers of a model share a few layouts
+def _verify_all_ranks(layer: LayerLayout, tp_size: int) -> None:
+    verify_tiling([try_layer_mapping(layer, ParallelLayout(r, tp_size)) for r in range(tp_size)])
+
+
 def layer_mapping(layer: LayerLayout, par: ParallelLayout,
                   local_page_size_bytes: int | None = None) -> CanonicalPageMapping:
     """This rank's mapping for one layer, verified against every other rank's.
@@ -195,8 +202,7 @@ def layer_mapping(layer: LayerLayout, par: ParallelLayout,
     mapped, or when its local page size is not what the engine holds."""
     try:
         mapping = try_layer_mapping(layer, par)
-        everyone = [try_layer_mapping(layer, ParallelLayout(r, par.tp_size)) for r in range(par.tp_size)]
-        verify_tiling(everyone)
+        _verify_all_ranks(dataclasses.replace(layer, name=""), par.tp_size)
         if local_page_size_bytes is not None and local_page_size_bytes != mapping.local_page_size_bytes:
             raise LayoutError(f"engine page is {local_page_size_bytes} bytes, "
                               f"layout gives {mapping.local_page_size_bytes}")
