@@ -259,3 +259,43 @@ def test_duplicate_keys_in_one_store_get_one_slot():
     assert out.keys_to_store == keys(1, 2)
     m.complete_store(keys(1, 1, 2), None)
     assert len(m._free) == 2 and len(m.policy) == 2
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_bad_keys_in_touch_and_completes_raise_type_error(policy):
+    m = CPUOffloadingManager(3, policy)
+    store(m, keys(1))
+    m.prepare_load(keys(1), None)
+    m.prepare_store(keys(2), None)
+    before = snapshot(m)
+    for bad in ["abc", [1], 7]:
+        for call in (m.touch, m.complete_load, m.complete_store):
+            with pytest.raises(TypeError, match="offload keys are bytes"):
+                call([K(1), bad], None)
+    assert snapshot(m) == before
+
+
+def test_complete_store_accepts_a_set_and_orders_by_position():
+    m = CPUOffloadingManager(4)
+    ctx = ReqContext("r")
+    ks = keys(1, 2, 3, 4)
+    for pos, k in enumerate(ks):
+        ctx.set_offload_key_position(k, pos)
+    out = m.prepare_store(ks, ctx)
+    m.complete_store(set(out.keys_to_store), ctx)
+    assert m.prepare_store(keys(5, 6, 7), None).evicted_keys == keys(4, 3, 2)
+
+
+def test_reset_cache_drops_arc_history():
+    m = CPUOffloadingManager(4, "arc")
+    store(m, keys(1, 2, 3, 4))
+    m.touch(keys(1, 2), None)  # T2
+    store(m, keys(5, 6))  # 4 and 3 leave T1 and become ghosts
+    store(m, keys(3))  # a ghost hit: p grows
+    assert m.policy.b1 and m.policy.p > 0
+    m.prepare_load(keys(5), None)
+    m.reset_cache()
+    assert not m.policy.b1 and not m.policy.b2 and m.policy.p == 0
+    assert K(5) in m.policy and len(m.policy) == 1
+    m.complete_load(keys(5), None)
+    assert m.prepare_store(keys(7, 8, 9, 10), None).evicted_keys == keys(5)

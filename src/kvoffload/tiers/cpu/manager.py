@@ -282,13 +282,16 @@ class CPUOffloadingManager(OffloadingManager):
         return events
 
     def reset_cache(self) -> None:
-        """Drop every readable, unpinned key. Pinned keys (loads in flight) and
-        pending writes keep their slots: a worker is still using them."""
-        state, free, policy = self._state, self._free, self.policy
+        """Drop every readable, unpinned key and the policy's history (ARC
+        ghosts and target). Pinned keys (loads in flight) and pending writes
+        keep their slots: a worker is still using them."""
+        state, free = self._state, self._free
         dropped = [k for k, s in self._slot_of.items() if state[s] == 0]
         for k in dropped:
             free.append(self._slot_of.pop(k))
-            policy.remove(k)
+        pinned = [k for k, s in self._slot_of.items() if state[s] > 0]
+        self.policy = type(self.policy)(self.num_chunks)
+        self.policy.insert(pinned, None)
         if dropped and self._events is not None:
             self._events.append(OffloadingEvent(dropped, self.medium, True, self.locality))
 
