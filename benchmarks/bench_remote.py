@@ -1,0 +1,275 @@
+"""Remote tier benchmark, against references measured in the same run.
+
+1. Bandwidth: the remote worker storing / loading host-pool chunks (one
+   connection, pipelined, zero-copy sends, reads straight into the pool),
+   as a ratio of `redis-benchmark` SET / GET with the same value size, one
+   connection and pipelining, on the same server. redis-py pipelines
+   (copying values into bytes objects) are shown too.
+2. Sharing: the shared Mooncake trace split round-robin across two
+   simulated engines (kvoffload's replay engine, in two threads at once),
+   each with a small CPU tier, over one remote tier; once with the engines
+   isolated (a key prefix each) and once sharing one prefix. The gain is
+   the cross-instance hits: blocks one engine computed and the other
+   reused, their bytes verified on load.
+
+    .venv/bin/python benchmarks/bench_remote.py            # both parts
+    .venv/bin/python benchmarks/bench_remote.py --requests 12031 --plot docs/remote_bench.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import redis
+
+from kvoffload.abstractions import CPULoadStoreSpec
+from kvoffload.config import parse_bytes
+from kvoffload.tiers.base import HostPool, Namespace
+from kvoffload.tiers.remote import RemoteTier
+from kvoffload.tiers.remote.server import LocalServer, find_benchmark_binary
+from kvoffload.tiers.remote.value import RemoteLoadStoreSpec
+
+TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+
+
+# ---- 1. bandwidth --------------------------------------------------------------------------
+
+def redis_benchmark(port: int, size: int, n: int, pipeline: int) -> dict[str, float]:
+    """GB/s of redis-benchmark SET and GET with `size`-byte values, one connection."""
+    out = subprocess.run(
+        [find_benchmark_binary(), "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(size),
+         "-n", str(n), "-r", str(n), "-c", "1", "-P", str(pipeline), "--csv"],
+        capture_output=True, text=True, check=True, timeout=600).stdout
+    gbs = {}
+    for line in out.splitlines():
+        cells = [c.strip('"') for c in line.split(",")]
+        if cells[0] in ("SET", "GET"):
+            gbs[cells[0]] = float(cells[1]) * size / 1e9
+    return gbs
+
+
+def ours(url: str, pool: HostPool, n: int, batch_chunks: int) -> dict[str, float]:
+    """GB/s of our worker storing then loading n chunks (jobs of batch_chunks)."""
+    ns = Namespace(model="bench", chunk_bytes=pool.used_chunk_bytes)
+    tier = RemoteTier({"url": url, "key_prefix": f"bench{time.monotonic_ns()}"}, ns)
+    worker = tier.get_worker(pool)
+    keys = [i.to_bytes(8, "big") + b"\0\0\0\0" for i in range(n)]
+    rkeys = tier.keyspace.redis_keys(keys)
+    jobs = [(list(range(a, min(n, a + batch_chunks)))) for a in range(0, n, batch_chunks)]
+    res = {}
+    for name, submit in (("store", worker.submit_store), ("load", None)):
+        t0 = time.perf_counter()
+        for j, slots in enumerate(jobs):
+            spec = RemoteLoadStoreSpec([rkeys[s] for s in slots], [keys[s] for s in slots])
+            if name == "store":
+                assert submit(j, CPULoadStoreSpec(slots), spec)
+            else:
+                assert worker.submit_load(j, spec, CPULoadStoreSpec(slots))
+        worker.wait(set(range(len(jobs))))
+        dt = time.perf_counter() - t0
+        done = worker.get_finished()
+        assert all(r.success for r in done), f"{name}: {sum(not r.success for r in done)} jobs failed"
+        res[name] = n * pool.used_chunk_bytes / dt / 1e9
+    tier.shutdown()
+    return res
+
+
+def redis_py(url: str, pool: HostPool, n: int, batch_chunks: int) -> dict[str, float]:
+    """GB/s of plain redis-py pipelines (values copied into bytes on both sides)."""
+    r = redis.Redis.from_url(url)
+    keys = [b"rpy:%d" % i for i in range(n)]
+    res = {}
+    t0 = time.perf_counter()
+    for a in range(0, n, batch_chunks):
+        p = r.pipeline(transaction=False)
+        for i in range(a, min(n, a + batch_chunks)):
+            p.set(keys[i], pool.chunk(i)[: pool.used_chunk_bytes].tobytes())
+        p.execute()
+    res["SET"] = n * pool.used_chunk_bytes / (time.perf_counter() - t0) / 1e9
+    t0 = time.perf_counter()
+    for a in range(0, n, batch_chunks):
+        p = r.pipeline(transaction=False)
+        for i in range(a, min(n, a + batch_chunks)):
+            p.get(keys[i])
+        for i, v in zip(range(a, n), p.execute()):
+            pool.chunk(i)[: len(v)] = np.frombuffer(v, dtype=np.uint8)
+    res["GET"] = n * pool.used_chunk_bytes / (time.perf_counter() - t0) / 1e9
+    r.close()
+    return res
+
+
+def bandwidth(srv: LocalServer, sizes: list[int], total: int, repeats: int, pipeline: int) -> list[dict]:
+    from tqdm import tqdm
+
+    rows = []
+    flush = redis.Redis(port=srv.port)
+    bar = tqdm(total=len(sizes) * repeats, desc="bandwidth", unit="run")
+    for size in sizes:
+        n = max(pipeline, total // size)
+        pool = HostPool(n, size)
+        pool.array[:] = np.random.default_rng(size).integers(0, 256, pool.array.shape, dtype=np.uint8)
+        before = pool.array.copy()
+        runs = {"rb_set": [], "rb_get": [], "store": [], "load": [], "py_set": [], "py_get": []}
+        for _ in range(repeats):
+            flush.flushall()
+            rb = redis_benchmark(srv.port, size, n, pipeline)
+            flush.flushall()
+            o = ours(srv.url, pool, n, pipeline)
+            assert np.array_equal(pool.array, before), "loaded bytes differ"
+            flush.flushall()
+            py = redis_py(srv.url, pool, n, pipeline)
+            pool.array[:] = before
+            for k, v in (("rb_set", rb["SET"]), ("rb_get", rb["GET"]), ("store", o["store"]),
+                         ("load", o["load"]), ("py_set", py["SET"]), ("py_get", py["GET"])):
+                runs[k].append(v)
+            bar.update()
+        pool.close()
+        rows.append({"size": size, "n": n, **{k: statistics.median(v) for k, v in runs.items()}})
+    bar.close()
+    flush.flushall()
+    return rows
+
+
+def print_bandwidth(rows: list[dict], pipeline: int) -> None:
+    print(f"\nBandwidth, GB/s (median; one connection, {pipeline} values per pipeline round)")
+    print("| value | redis-benchmark SET | ours store | ratio | redis-benchmark GET | ours load | ratio "
+          "| redis-py SET / GET |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['size'] >> 10} KiB | {r['rb_set']:.2f} | {r['store']:.2f} | {r['store'] / r['rb_set']:.2f} "
+              f"| {r['rb_get']:.2f} | {r['load']:.2f} | {r['load'] / r['rb_get']:.2f} "
+              f"| {r['py_set']:.2f} / {r['py_get']:.2f} |")
+
+
+# ---- 2. two engines sharing the tier -------------------------------------------------------
+
+def two_engines(url: str, trace_path: Path, requests: int, cpu_share: float, shared: bool) -> dict:
+    from kvoffload.replay.engine import EngineOptions, ReplayEngine
+    from kvoffload.replay.traces import Trace, load_trace
+
+    trace = load_trace(trace_path, limit=requests)
+    halves = [Trace(f"{trace.name}[{i}::2]", trace.block_size, trace.requests[i::2]) for i in (0, 1)]
+    cpu_blocks = max(16, int(cpu_share * trace.num_unique_blocks()))
+    run_id = time.monotonic_ns()
+    engines, results, errors = [], [None, None], []
+    for i, half in enumerate(halves):
+        prefix = f"share{run_id}" if shared else f"iso{run_id}-{i}"
+        opts = EngineOptions(spec="tiered", progress=False, extra_config={
+            "num_cpu_chunks": cpu_blocks,
+            "secondary_tiers": [{"type": "redis", "url": url, "key_prefix": prefix}]})
+        engines.append(ReplayEngine(half, opts))
+
+    def run(i):
+        try:
+            results[i] = engines[i].run()
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    for e in engines:
+        e.close()
+    if errors:
+        raise errors[0]
+    out = {"wall_s": wall, "cpu_blocks": cpu_blocks, "engines": []}
+    for res in results:
+        c = res.counters
+        remote = res.tiers.get("redis", {}).get("counters", {})
+        cpu = res.tiers.get("cpu", {}).get("counters", {})
+        out["engines"].append({
+            "block_refs": c["block_refs"], "offload_hits": c["offload_hit_blocks"],
+            "remote_hits": remote.get("promoted_blocks", 0), "cpu_hits": cpu.get("hits", 0),
+            "verified": c["verified_blocks"], "verify_failures": c["verify_failures"],
+            "remote_stored": remote.get("stored_blocks", 0)})
+    return out
+
+
+def print_sharing(iso: dict, sh: dict, requests: int) -> None:
+    print(f"\nTwo engines, {requests} requests of the Mooncake trace split round-robin, "
+          f"CPU tier {iso['cpu_blocks']} blocks each, one remote tier")
+    print("| run | engine | block refs | offload prefix hits | promoted from remote | hit rate | verified |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, r in (("isolated (prefix each)", iso), ("shared (one prefix)", sh)):
+        for i, e in enumerate(r["engines"]):
+            print(f"| {name} | {i} | {e['block_refs']:,} | {e['offload_hits']:,} | {e['remote_hits']:,} | "
+                  f"{e['offload_hits'] / max(1, e['block_refs']):.4f} | {e['verified']:,} "
+                  f"({e['verify_failures']} bad) |")
+    hits_iso = sum(e["offload_hits"] for e in iso["engines"])
+    hits_sh = sum(e["offload_hits"] for e in sh["engines"])
+    refs = sum(e["block_refs"] for e in sh["engines"])
+    print(f"cross-instance hits (shared - isolated prefix hits): {hits_sh - hits_iso:,} blocks; "
+          f"fleet prefix hit rate {hits_iso / refs:.4f} isolated -> {hits_sh / refs:.4f} shared "
+          f"(x{hits_sh / max(1, hits_iso):.2f})")
+
+
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x = np.arange(len(rows))
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for ax, (title, ref, mine, py) in zip(axes, (("store (SET)", "rb_set", "store", "py_set"),
+                                                  ("load (GET)", "rb_get", "load", "py_get"))):
+        ax.bar(x - 0.27, [r[ref] for r in rows], 0.27, label="redis-benchmark")
+        ax.bar(x, [r[mine] for r in rows], 0.27, label="kvoffload remote worker")
+        ax.bar(x + 0.27, [r[py] for r in rows], 0.27, label="redis-py pipeline")
+        ax.set_xticks(x, [f"{r['size'] >> 10} KiB" for r in rows])
+        ax.set_title(title)
+    axes[0].set_ylabel("GB/s (loopback, one connection)")
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", default="256KiB,1MiB,4MiB", help="value sizes")
+    ap.add_argument("--total", default="256MiB", help="bytes moved per size and run")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--pipeline", type=int, default=16, help="values per pipeline round (redis-benchmark -P)")
+    ap.add_argument("--trace", default=str(TRACE.resolve()))
+    ap.add_argument("--requests", type=int, default=2000, help="trace requests replayed (12031: all)")
+    ap.add_argument("--cpu-share", type=float, default=0.05, help="CPU tier per engine, share of unique blocks")
+    ap.add_argument("--skip-bandwidth", action="store_true")
+    ap.add_argument("--skip-replay", action="store_true")
+    ap.add_argument("--plot", help="write a PNG of the bandwidth table here")
+    args = ap.parse_args(argv)
+    if find_benchmark_binary() is None and not args.skip_bandwidth:
+        sys.exit("redis-benchmark not found (Debian: apt-get install redis-server)")
+    sizes = [parse_bytes(s, "--sizes") for s in args.sizes.split(",")]
+    with LocalServer(maxmemory="3gb") as srv:
+        print(f"server: {srv.binary} on 127.0.0.1:{srv.port}, no persistence, allkeys-lru")
+        if not args.skip_bandwidth:
+            rows = bandwidth(srv, sizes, parse_bytes(args.total, "--total"), args.repeats, args.pipeline)
+            print_bandwidth(rows, args.pipeline)
+            if args.plot:
+                plot(rows, args.plot)
+        if not args.skip_replay:
+            from tqdm import tqdm
+
+            with tqdm(total=2, desc="two-engine replay", unit="run") as bar:
+                iso = two_engines(srv.url, Path(args.trace), args.requests, args.cpu_share, shared=False)
+                bar.update()
+                sh = two_engines(srv.url, Path(args.trace), args.requests, args.cpu_share, shared=True)
+                bar.update()
+            print_sharing(iso, sh, args.requests)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
