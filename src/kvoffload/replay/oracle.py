@@ -50,28 +50,38 @@ def leading_run(blocks: Sequence[int], resident) -> int:
 
 def simulate_lru(requests: Sequence[Sequence[int]], capacity: int) -> OracleResult:
     """LRU the way the replay drives a manager: touch the resident blocks,
-    store the missing ones (evicting least recent), then mark the request's
-    blocks used with its head most recent (so a prefix's tail goes first)."""
+    store the missing ones (evicting least recent, but never the blocks this
+    store names; refused whole if that leaves too few), then mark the
+    request's blocks used with its head most recent (a prefix's tail goes first)."""
     cache: OrderedDict[int, None] = OrderedDict()  # least recent first
     hits = refs = 0
     for blocks in requests:
         refs += len(blocks)
-        hits += leading_run(blocks, cache)
-        if len(blocks) > capacity:  # cannot fit: the store is refused
-            for b in reversed(blocks):
-                if b in cache:
-                    cache.move_to_end(b)
-            continue
+        n = leading_run(blocks, cache)
+        hits += n
         for b in reversed(blocks):
             if b in cache:
                 cache.move_to_end(b)
+        offered = blocks[n:]
+        missing = list(dict.fromkeys(b for b in offered if b not in cache))
+        need = len(cache) + len(missing) - capacity
+        if need > 0:
+            protected = set(offered)
+            victims = []
+            for b in cache:
+                if b not in protected:
+                    victims.append(b)
+                    if len(victims) == need:
+                        break
+            if len(victims) < need:  # the store is refused
+                missing = []
+            for b in victims if missing else ():
+                del cache[b]
+        for b in reversed(missing):
+            cache[b] = None
         for b in reversed(blocks):
-            if b not in cache:
-                if len(cache) >= capacity:
-                    cache.popitem(last=False)
-                cache[b] = None
-        for b in reversed(blocks):
-            cache.move_to_end(b)
+            if b in cache:
+                cache.move_to_end(b)
     return OracleResult("lru", capacity, refs, hits)
 
 

@@ -1,0 +1,58 @@
+import json
+
+from kvoffload.cli import main
+
+
+def test_default_workload_end_to_end(tmp_path, capsys):
+    js, md, plots = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "plots"
+    rc = main(["replay", "--sessions", "15", "--no-progress", "--oracle", "--json", str(js),
+               "--markdown", str(md), "--plot-dir", str(plots)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "prefix hit rate: offload" in out and "all bytes match" in out and "Belady" in out
+    s = json.loads(js.read_text())["summary"]
+    assert s["requests"] > 15 and s["verify_failures"] == 0
+    assert s["tokens_from_gpu_cache"] + s["tokens_from_offload"] + s["tokens_recomputed"] == s["prompt_tokens"]
+    assert s["oracle:belady"] >= s["oracle:lru"] == s["offload_prefix_hit_rate"]
+    assert s["tiers"]["cpu"]["prefix_hit_rate"] == s["offload_prefix_hit_rate"]
+    assert "| prefix hit rate: offload |" in md.read_text()
+    assert (plots / "hit_rate_over_time.png").stat().st_size > 0
+
+
+def test_sweep_writes_table_and_plot(mooncake_file, tmp_path, capsys):
+    p = mooncake_file([[1, 2, 3], [1, 2, 4], [1, 5], [1, 2, 3, 6], [1, 2, 4]] * 4)
+    rc = main(["replay", str(p), "--block-size", "4", "--sweep", "2,50%,100", "--oracle", "--no-progress",
+               "--plot-dir", str(tmp_path), "--json", str(tmp_path / "s.json")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| 2 |" in out and "| 3 |" in out and "| 100 |" in out  # 50% of 6 unique blocks = 3
+    assert (tmp_path / "hit_rate_vs_capacity.png").stat().st_size > 0
+    points = json.loads((tmp_path / "s.json").read_text())
+    rates = [pt["summary"]["offload_prefix_hit_rate"] for pt in points]
+    assert rates == sorted(rates) and rates[-1] > rates[0]
+
+
+def test_bad_trace_line_is_named(tmp_path, capsys):
+    p = tmp_path / "bad.jsonl"
+    p.write_text('{"timestamp": 0, "input_length": 4, "output_length": 1, "hash_ids": [1]}\n{oops\n')
+    assert main(["replay", str(p), "--block-size", "4", "--no-progress"]) == 2
+    assert "bad.jsonl:2: invalid JSON" in capsys.readouterr().err
+
+
+def test_bad_option_values(capsys):
+    assert main(["replay", "--sessions", "2", "--cpu-blocks", "0", "--no-progress"]) == 2
+    assert "--cpu-blocks" in capsys.readouterr().err
+    assert main(["replay", "--sessions", "2", "--policy", "nope", "--no-progress"]) == 2
+    assert "unknown eviction policy 'nope'" in capsys.readouterr().err
+    assert main(["replay", "--sessions", "2", "--extra", "nokey", "--no-progress"]) == 2
+    assert "KEY=VALUE" in capsys.readouterr().err
+
+
+def test_cpu_bytes_and_model_preset(mooncake_file, capsys):
+    p = mooncake_file([[1, 2], [1, 3], [1, 2]])
+    rc = main(["replay", str(p), "--block-size", "4", "--cpu-bytes", "4MiB", "--model", "llama-3.1-8b",
+               "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    # 4 tokens x 128 KiB = 512 KiB chunks: 8 of them in 4 MiB
+    assert "capacity 8 blocks" in out and "all bytes match" in out
