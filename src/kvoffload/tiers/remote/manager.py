@@ -32,6 +32,8 @@ from kvoffload.tiers.remote.lookup import ExistenceChecker
 from kvoffload.tiers.remote.state import SharedState
 from kvoffload.tiers.remote.value import KeySpace, RemoteLoadStoreSpec
 
+PRUNE_EVERY_S = 0.02
+
 HIT, MISS, HIT_PENDING, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING, LookupResult.RETRY
 
 
@@ -46,7 +48,6 @@ class RemoteOffloadingManager(OffloadingManager):
         self._keyspace = keyspace
         self._cfg = cfg
         self._state = state
-        self._counters = state.counters
         # key -> monotonic expiry; insertion order is expiry order (same TTL for all)
         self._present: OrderedDict[bytes, float] = OrderedDict()
         self._absent: OrderedDict[bytes, float] = OrderedDict()
@@ -54,30 +55,37 @@ class RemoteOffloadingManager(OffloadingManager):
         self._storing: set[bytes] = set()
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._reconnects_seen = 0
+        self._next_prune = 0.0
+        # scheduler-thread counters (no lock); the worker's are in state.counters
+        self._c: dict[str, float] = dict.fromkeys(("lookups", "hits", "misses", "hits_pending", "retries"), 0)
         self._checker = ExistenceChecker(client, keyspace, state, cfg.lookup_coalesce_s)
+        self._results, self._gone = self._checker.results, state.gone_keys
+        self._n = 0
 
     # -- answers from the checker and the worker ------------------------
     def _drain(self) -> float:
         now = time.monotonic()
-        expiry = now + self._cfg.lookup_cache_s
-        results = self._checker.results
-        while results:
-            key, present = results.popleft()
-            self._checking.discard(key)
-            if present is None:  # not asked (server down): no answer to cache
-                continue
-            self._remember(self._present if present else self._absent, key, expiry)
-        gone = self._state.gone_keys
-        while gone:
-            key = gone.popleft()
-            self._present.pop(key, None)
-            self._remember(self._absent, key, expiry)
-        for d in (self._present, self._absent):
-            while d:
-                key, exp = next(iter(d.items()))
-                if exp > now:
-                    break
-                d.popitem(last=False)
+        results, gone = self._results, self._gone
+        if results or gone:
+            expiry = now + self._cfg.lookup_cache_s
+            while results:
+                key, present = results.popleft()
+                self._checking.discard(key)
+                if present is None:  # not asked (server down): no answer to cache
+                    continue
+                self._remember(self._present if present else self._absent, key, expiry)
+            while gone:
+                key = gone.popleft()
+                self._present.pop(key, None)
+                self._remember(self._absent, key, expiry)
+        if now >= self._next_prune:  # answers may outlive lookup_cache_s by up to PRUNE_EVERY_S
+            self._next_prune = now + PRUNE_EVERY_S
+            for d in (self._present, self._absent):
+                while d:
+                    key, exp = next(iter(d.items()))
+                    if exp > now:
+                        break
+                    d.popitem(last=False)
         return now
 
     @staticmethod
@@ -87,28 +95,30 @@ class RemoteOffloadingManager(OffloadingManager):
 
     # -- OffloadingManager ----------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
-        self._drain()
-        c = self._counters
-        c.add("lookups")
+        self._n += 1
+        if self._results or self._gone or not self._n & 127:  # hot path: skip the drain when idle
+            self._drain()
+        c = self._c
+        c["lookups"] += 1
         if key in self._storing:
-            c.add("hits_pending")
+            c["hits_pending"] += 1
             return HIT_PENDING
         if key in self._present:  # _drain dropped expired answers
-            c.add("hits")
+            c["hits"] += 1
             return HIT
         if key in self._absent:
-            c.add("misses")
+            c["misses"] += 1
             return MISS
         if key in self._checking:
-            c.add("retries")
+            c["retries"] += 1
             return RETRY
         if not self._state.backoff.available():
-            c.add("misses")
+            c["misses"] += 1
             return MISS
         self._checking.add(key)
         self._checker.ask(key)
         self._ask_rest_of_prefix(key, req_context)
-        c.add("retries")
+        c["retries"] += 1
         return RETRY
 
     def _ask_rest_of_prefix(self, key: OffloadKey, ctx: ReqContext) -> None:
@@ -149,7 +159,7 @@ class RemoteOffloadingManager(OffloadingManager):
         self._drain()
         if not self._state.backoff.available():
             # the caller counts the drop (dropped_stores); we count why
-            self._counters.add("stores_refused", len(keys))
+            self._c["stores_refused"] = self._c.get("stores_refused", 0) + len(keys)
             return None
         to_store = [k for k in keys if k not in self._present and k not in self._storing]
         self._storing.update(to_store)
@@ -169,7 +179,7 @@ class RemoteOffloadingManager(OffloadingManager):
         for k in done:
             self._absent.pop(k, None)
             self._remember(self._present, k, expiry)
-        self._counters.add("stored_blocks", len(done))
+        self._c["stored_blocks"] = self._c.get("stored_blocks", 0) + len(done)
         if self._events is not None and done:
             self._events.append(OffloadingEvent(keys=done, medium=self.medium, removed=False,
                                                 locality=self.locality, ownership=self.name))
@@ -198,6 +208,10 @@ class RemoteOffloadingManager(OffloadingManager):
     def get_stats(self) -> OffloadingStats:
         self._drain()
         counters = self._state.counters.take()
+        for k, v in self._c.items():
+            if v:
+                counters[k] = counters.get(k, 0) + v
+                self._c[k] = 0
         backoff = self._state.backoff
         if backoff.reconnects != self._reconnects_seen:
             counters["reconnects"] = backoff.reconnects - self._reconnects_seen
