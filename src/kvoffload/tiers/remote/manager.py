@@ -33,6 +33,7 @@ from kvoffload.tiers.remote.state import SharedState
 from kvoffload.tiers.remote.value import KeySpace, RemoteLoadStoreSpec
 
 PRUNE_EVERY_S = 0.02
+_now = time.monotonic
 
 HIT, MISS, HIT_PENDING, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING, LookupResult.RETRY
 
@@ -78,7 +79,7 @@ class RemoteOffloadingManager(OffloadingManager):
                 key = gone.popleft()
                 self._present.pop(key, None)
                 self._remember(self._absent, key, expiry)
-        if now >= self._next_prune:  # answers may outlive lookup_cache_s by up to PRUNE_EVERY_S
+        if now >= self._next_prune:  # memory only: lookups check expiry themselves
             self._next_prune = now + PRUNE_EVERY_S
             for d in (self._present, self._absent):
                 while d:
@@ -103,10 +104,12 @@ class RemoteOffloadingManager(OffloadingManager):
         if key in self._storing:
             c["hits_pending"] += 1
             return HIT_PENDING
-        if key in self._present:  # _drain dropped expired answers
+        exp = self._present.get(key)
+        if exp is not None and exp > _now():
             c["hits"] += 1
             return HIT
-        if key in self._absent:
+        exp = self._absent.get(key)
+        if exp is not None and exp > _now():
             c["misses"] += 1
             return MISS
         if key in self._checking:
@@ -161,7 +164,8 @@ class RemoteOffloadingManager(OffloadingManager):
             # the caller counts the drop (dropped_stores); we count why
             self._c["stores_refused"] = self._c.get("stores_refused", 0) + len(keys)
             return None
-        to_store = [k for k in keys if k not in self._present and k not in self._storing]
+        now, present = _now(), self._present
+        to_store = [k for k in keys if present.get(k, 0.0) <= now and k not in self._storing]
         self._storing.update(to_store)
         return PrepareStoreOutput(
             keys_to_store=to_store,
