@@ -16,11 +16,19 @@ from kvoffload.abstractions import ReqContext
 from kvoffload.policies.base import EvictionPolicy
 
 
-def _next_evictable(it: Iterator[bytes], can_evict: Callable[[bytes], bool]) -> bytes | None:
-    for k in it:
-        if can_evict(k):
-            return k
-    return None
+_ABSENT = object()
+
+
+def _pick(it: Iterator[bytes], n: int, can_evict: Callable[[bytes], bool]) -> list[bytes]:
+    """Up to n evictable keys from it, oldest first (it keeps its place)."""
+    picked: list[bytes] = []
+    if n > 0:
+        for k in it:
+            if can_evict(k):
+                picked.append(k)
+                if len(picked) == n:
+                    break
+    return picked
 
 
 class ARCPolicy(EvictionPolicy):
@@ -36,31 +44,36 @@ class ARCPolicy(EvictionPolicy):
 
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
-        # Reversed: the tail lands older than the head, so it goes first.
-        for k in reversed(keys):
-            if k in b1:
-                self.p = min(self.p + max(1.0, len(b2) / len(b1)), float(self.capacity))
-                del b1[k]
-                t2[k] = None
-            elif k in b2:
-                self.p = max(self.p - max(1.0, len(b1) / len(b2)), 0.0)
-                del b2[k]
-                t2[k] = None
-            elif k in t2:
-                t2.move_to_end(k)
-            else:
+        if b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys):
+            # No ghost hit (the common case): all go to T1, tail oldest.
+            for k in reversed(keys):
                 t1[k] = None
-                t1.move_to_end(k)
+        else:
+            for k in reversed(keys):
+                if k in b1:
+                    self.p = min(self.p + max(1.0, len(b2) / len(b1)), float(self.capacity))
+                    del b1[k]
+                    t2[k] = None
+                elif k in b2:
+                    self.p = max(self.p - max(1.0, len(b1) / len(b2)), 0.0)
+                    del b2[k]
+                    t2[k] = None
+                else:
+                    t1[k] = None
         self._trim_ghosts()
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         t1, t2 = self.t1, self.t2
+        pop1, move2 = t1.pop, t2.move_to_end
+        # Reversed, so the head ends up most recent in T2.
         for k in reversed(keys):
-            if k in t1:
-                del t1[k]
+            if pop1(k, _ABSENT) is _ABSENT:
+                try:
+                    move2(k)
+                except KeyError:
+                    pass
+            else:
                 t2[k] = None
-            elif k in t2:
-                t2.move_to_end(k)
 
     def remove(self, key: bytes) -> None:
         if key in self.t1:
@@ -74,33 +87,16 @@ class ARCPolicy(EvictionPolicy):
         t1, t2 = self.t1, self.t2
         if n > len(t1) + len(t2):
             return None
-        # Plan first, commit only if n victims were found (atomic).
-        it1, it2 = iter(t1), iter(t2)
-        left1, left2 = len(t1), len(t2)  # entries not yet chosen, for the T1-vs-p rule
-        from1: list[bytes] = []
-        from2: list[bytes] = []
-        done1 = done2 = False
-        while len(from1) + len(from2) < n:
-            prefer1 = left1 > 0 and (left1 > self.p or left2 == 0)
-            k = None
-            for use1 in ((True, False) if prefer1 else (False, True)):
-                if use1 and not done1:
-                    k = _next_evictable(it1, can_evict)
-                    if k is None:
-                        done1 = True
-                    else:
-                        from1.append(k)
-                        left1 -= 1
-                        break
-                elif not use1 and not done2:
-                    k = _next_evictable(it2, can_evict)
-                    if k is None:
-                        done2 = True
-                    else:
-                        from2.append(k)
-                        left2 -= 1
-                        break
-            if k is None:
+        # REPLACE with p fixed for the whole batch: take from T1 while it is
+        # larger than p, then from T2, then T1 again if T2 ran out; a list
+        # with nothing evictable left hands over to the other. Plan first,
+        # commit only if n victims were found (atomic).
+        it1 = iter(t1)
+        from1 = _pick(it1, min(n, len(t1) - int(self.p)), can_evict)
+        from2 = _pick(iter(t2), n - len(from1), can_evict)
+        if len(from1) + len(from2) < n:
+            from1 += _pick(it1, n - len(from1) - len(from2), can_evict)
+            if len(from1) + len(from2) < n:
                 return None
         b1, b2 = self.b1, self.b2
         for k in from1:
@@ -114,12 +110,17 @@ class ARCPolicy(EvictionPolicy):
 
     def _trim_ghosts(self) -> None:
         # ARC's directory bounds: |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c.
-        c = self.capacity
-        b1, b2 = self.b1, self.b2
-        while b1 and len(self.t1) + len(b1) > c:
+        c, b1, b2 = self.capacity, self.b1, self.b2
+        over1 = min(len(self.t1) + len(b1) - c, len(b1))
+        for _ in range(over1):
             b1.popitem(last=False)
-        while len(self.t1) + len(self.t2) + len(b1) + len(b2) > 2 * c:
-            (b2 or b1).popitem(last=False)
+        over = len(self.t1) + len(self.t2) + len(b1) + len(b2) - 2 * c
+        if over > 0:
+            from2 = min(over, len(b2))
+            for _ in range(from2):
+                b2.popitem(last=False)
+            for _ in range(over - from2):
+                b1.popitem(last=False)
 
     def __len__(self) -> int:
         return len(self.t1) + len(self.t2)

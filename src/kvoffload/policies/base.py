@@ -27,7 +27,8 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        """Track newly stored keys (prefix order, head first)."""
+        """Track newly stored keys (prefix order, head first). The manager
+        never inserts a key the policy already tracks."""
 
     @abstractmethod
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:

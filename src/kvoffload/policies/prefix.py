@@ -1,29 +1,32 @@
-"""Prefix-aware LRU ("prefix"): recency, weighted by how often a block's
-prefix was reused, with the tails of prefixes going first.
+"""Prefix-aware LRU ("prefix"): recency, with extra life for blocks whose
+prefix was reused, and the tails of prefixes going first.
 
 Why each part (measured on the Mooncake trace, docs/BENCHMARKS.md):
 - Reuse classes. A block reused before is about twice as likely to be
-  reused again as a fresh one. Each block sits in the LRU queue of its reuse
-  count (0, 1, 2+); a block of class c counts as `c * bonus` blocks younger
-  than its last use, where bonus is a share of the capacity (scale-free).
-  Eviction takes the oldest of the queue heads by that adjusted age.
+  reused again as a fresh one. A block reused c times (c capped at 2) is
+  protected for c typical reuse intervals after its last use: when it
+  reaches the old end of the LRU queue inside that window it goes back to
+  the new end instead of out (a CLOCK-style second chance, so the queue
+  stays one OrderedDict). The typical interval is a running median of the
+  ages at which blocks are reused: the workload's own time scale, whatever
+  the capacity.
 - Ghost counts. Most reuse comes after the block was evicted once (think
-  time between turns is longer than the cache holds a fresh block), so the
-  reuse count of recently evicted keys is kept (keys only, no data) and a
-  re-stored key resumes it: a re-store is a reuse.
+  time between turns outlasts a fresh block's stay), so the reuse count of
+  recently evicted keys is kept (keys only, no data) and a re-stored key
+  resumes it: a re-store is a reuse.
 - Leaves. The last block of a stored run has no child yet. On traces whose
-  last prompt block is partial (Mooncake), such leaves are almost never
-  reused, so they are worth evicting first; on chats whose every turn
-  extends the previous one they are reused like any block. The policy
-  measures the reuse rate of leaves and of inner blocks and demotes leaves
-  only while leaves are reused less than half as often.
+  last prompt block is partial (Mooncake) such leaves are almost never
+  reused; on chats whose every turn extends the previous one they are
+  reused like any block. The policy measures the reuse rate of leaves and of
+  inner blocks and, only while leaves are reused less than half as often,
+  queues new leaves at the old end (evicted first).
 - Tail first: within one call keys are queued tail first, and a block is
-  never in a better class or fresher than its prefix, so with the classes a
-  child goes before its parent.
+  never fresher or in a better class than its prefix, so a child goes
+  before its parent.
 
-Per-request state (the last key handed over for a request, to tell a leaf's
-child when a request stores in several calls) lives in the ReqContext, so
-nothing leaks when requests end.
+Per-request state (the last key handed over for a request, to tell when a
+leaf got a child in a later call) lives in the ReqContext, so nothing leaks
+when requests end.
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ from collections.abc import Callable
 
 from kvoffload.abstractions import ReqContext
 from kvoffload.policies.base import EvictionPolicy
-
 
 class _LastKey:
     """Per-request scratch: the last key this request handed to the policy."""
@@ -47,179 +49,234 @@ class _LastKey:
 class PrefixAwarePolicy(EvictionPolicy):
     name = "prefix"
 
-    CLASSES = 3  # reuse counts 0, 1, 2+
-    BONUS_SHARE = 0.25  # extra life per reuse class, as a share of capacity
+    TOP = 2  # reuse counts are capped here
+    WINDOW = 1.0  # initial protection per reuse, in typical reuse ages (adapted)
+    MIN_WINDOW, MAX_WINDOW = 1.0 / 16, 16.0
+    ADAPT = 1.05  # step of the window per ghost hit
     GHOST_SHARE = 4.0  # remembered evicted keys, as a multiple of capacity
     LEAF_DEMOTE_RATIO = 0.5  # demote leaves while their reuse rate < ratio * inner rate
+    AGE_QUANTILE = 0.9  # the "typical" reuse age: this quantile of observed ages
+    _STEP = 1.02  # multiplicative step of the running quantile
+
+    # A key's state is one int: (clock at last use) << 3 | code, where code
+    # is 4 + reuse count for an inner block and 3 - reuse count for a leaf.
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        # queues[c]: key -> clock at last use, oldest first; queues[-1] holds leaves.
-        self.queues: list[OrderedDict[bytes, int]] = [OrderedDict() for _ in range(self.CLASSES + 1)]
-        self.count: dict[bytes, int] = {}  # resident key -> reuse count; negative: leaf (-1 - count)
-        self.ghost: OrderedDict[bytes, int] = OrderedDict()  # evicted key -> its count code
-        self.ghost_cap = max(1, int(capacity * self.GHOST_SHARE))
-        self.bonus = max(1, int(capacity * self.BONUS_SHARE))
+        self.order: OrderedDict[bytes, int] = OrderedDict()  # key -> state, oldest first
+        # Evicted keys -> state, in two generations (a cheap bounded FIFO).
+        self.ghost: dict[bytes, int] = {}
+        self.ghost_old: dict[bytes, int] = {}
+        self.ghost_gen = max(1, int(capacity * self.GHOST_SHARE / 2))
         self.clock = 0  # blocks stored so far: ages are in stored blocks
+        self.reuse_age = float(capacity)
+        self._up = self._STEP ** self.AGE_QUANTILE
+        self._down = self._STEP ** (1.0 - self.AGE_QUANTILE)
         # Reuse statistics per kind: [stored, reused], halved as they grow.
         self.leaf_stats = [1.0, 0.0]
         self.inner_stats = [1.0, 0.0]
+        self.demote = False
+        self.window = self.WINDOW
+        # Evictions and ghost hits of protected / unprotected blocks (decayed).
+        self.evicted_prot = self.evicted_plain = 1.0
+        self.ghost_hits_prot = self.ghost_hits_plain = 0.0
 
-    # -- leaf bookkeeping -------------------------------------------------
+    # -- learning ---------------------------------------------------------------
 
-    def _demote_leaves(self) -> bool:
-        leaf = self.leaf_stats[1] / self.leaf_stats[0]
-        inner = self.inner_stats[1] / self.inner_stats[0]
-        return leaf < self.LEAF_DEMOTE_RATIO * inner
+    def _saw_reuse(self, age: int) -> None:
+        # Stochastic quantile tracking: converges to the AGE_QUANTILE of ages.
+        if age > self.reuse_age:
+            self.reuse_age *= self._up
+        else:
+            self.reuse_age /= self._down
 
-    def _note(self, stats: list[float], stored: int, reused: int) -> None:
-        stats[0] += stored
-        stats[1] += reused
-        if stats[0] > 4 * self.capacity:  # forget slowly, follow the workload
-            stats[0] *= 0.5
-            stats[1] *= 0.5
+    def _adapt_window(self, ghost_prot: int, ghost_plain_first: int) -> None:
+        """ARC's idea on the protection window: if blocks evicted after their
+        protection come back more often (per eviction) than blocks evicted
+        unprotected, protection was too short, else too long."""
+        self.ghost_hits_prot += ghost_prot
+        self.ghost_hits_plain += ghost_plain_first
+        if self.ghost_hits_prot * self.evicted_plain > self.ghost_hits_plain * self.evicted_prot:
+            self.window = min(self.window * self.ADAPT, self.MAX_WINDOW)
+        else:
+            self.window = max(self.window / self.ADAPT, self.MIN_WINDOW)
+        if self.evicted_plain + self.evicted_prot > 4 * self.capacity:
+            self.evicted_plain /= 2
+            self.evicted_prot /= 2
+            self.ghost_hits_plain /= 2
+            self.ghost_hits_prot /= 2
 
-    def _unleaf(self, key: bytes) -> None:
-        """`key` got a child: it is an inner block now."""
-        code = self.count.get(key)
-        if code is None or code >= 0:
-            return
-        c = -1 - code
-        stamp = self.queues[-1].pop(key)
-        self.count[key] = c
-        self.queues[min(c, self.CLASSES - 1)][key] = stamp
+    def _count_reuse(self, leaves: int, inner: int, stored_leaves: int, stored_inner: int) -> None:
+        ls, ins = self.leaf_stats, self.inner_stats
+        ls[0] += stored_leaves
+        ls[1] += leaves
+        ins[0] += stored_inner
+        ins[1] += inner
+        if ins[0] > 4 * self.capacity:  # forget slowly, follow the workload
+            ls[0] *= 0.5
+            ls[1] *= 0.5
+            ins[0] *= 0.5
+            ins[1] *= 0.5
+        self.demote = ls[1] / ls[0] < self.LEAF_DEMOTE_RATIO * ins[1] / ins[0]
+
+    # -- leaves -------------------------------------------------------------------
 
     def _follow(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        """Remember the request's last key; un-leaf the previous one if this
-        call continues it."""
+        """Remember the request's last key; if this call continues the
+        request, the previous last key got a child: un-leaf it."""
         if ctx is None:
             return
         last = ctx.get_state(_LastKey)
         if last is None:
             ctx.set_state(_LastKey(keys[-1]))
             return
-        if last.key != keys[-1]:
-            self._unleaf(last.key)
+        st = self.order.get(last.key)
+        if st is not None and last.key != keys[-1] and (st & 7) < 4:
+            self.order[last.key] = (st & ~7) | (7 - (st & 7))  # leaf count c -> inner count c
+            self.leaf_stats[0] -= 1  # it was counted as a stored leaf
+            self.inner_stats[0] += 1
         last.key = keys[-1]
 
-    # -- EvictionPolicy -----------------------------------------------------
+    # -- EvictionPolicy -------------------------------------------------------
 
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         if not keys:
             return
         self._follow(keys, ctx)
-        count, queues, ghost = self.count, self.queues, self.ghost
-        top = self.CLASSES - 1
-        leaf_reused = inner_reused = 0
+        order, ghost, ghost_old = self.order, self.ghost, self.ghost_old
         self.clock += len(keys)
-        now = self.clock
-        last = len(keys) - 1
-        for i in range(last, -1, -1):  # tail first: the tail lands older
-            k = keys[i]
-            if k in count:
-                continue  # already tracked: a store of a held key changes nothing
+        stamp = self.clock << 3
+        leaf_reused = inner_reused = ghost_prot = 0
+        age = -1
+        first = True
+        for k in reversed(keys):  # tail first: the tail lands older
+            if k in order:
+                first = False
+                continue  # already held: a second store changes nothing
             g = ghost.pop(k, None)
+            if g is None:
+                g = ghost_old.pop(k, None)
             if g is None:
                 c = 0
             else:  # a re-store of an evicted key is a reuse
-                if g < 0:
-                    leaf_reused += 1
-                    g = -1 - g
+                code = g & 7
+                if age < 0:
+                    age = self.clock - (g >> 3)
+                if code > 4:
+                    ghost_prot += 1
+                if code < 4:
+                    c = 3 - code
+                    leaf_reused += c == 0
                 else:
-                    inner_reused += 1
-                c = g + 1
-            if i == last:  # no child yet; biased only while leaves are demoted
-                count[k] = -1 - c
-                queues[-1][k] = now
+                    c = code - 4
+                    inner_reused += c == 0
+                if c < self.TOP:
+                    c += 1
+            if first:  # the tail: no child yet
+                order[k] = stamp | (3 - c)
+                if self.demote:
+                    order.move_to_end(k, last=False)
+                first = False
             else:
-                count[k] = c
-                queues[c if c < top else top][k] = now
-        self._note(self.leaf_stats, 1, leaf_reused)
-        self._note(self.inner_stats, last, inner_reused)
+                order[k] = stamp | (4 + c)
+        if age >= 0:
+            self._saw_reuse(age)
+            self._adapt_window(ghost_prot, leaf_reused + inner_reused)
+        self._count_reuse(leaf_reused, inner_reused, 1, len(keys) - 1)
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         if not keys:
             return
         self._follow(keys, ctx)
-        count, queues = self.count, self.queues
-        top = self.CLASSES - 1
-        now = self.clock
-        leaf_reused = inner_reused = 0
-        last = len(keys) - 1
-        for i in range(last, -1, -1):
-            k = keys[i]
-            code = count.get(k)
-            if code is None:
+        order = self.order
+        get, move = order.get, order.move_to_end
+        stamp = self.clock << 3
+        top = 4 + self.TOP
+        reused = leaf_reused = 0
+        first = True
+        age_of = -1
+        for k in reversed(keys):
+            st = get(k)
+            if st is None:
                 continue
-            if code < 0:  # a leaf reused: it stays a leaf only if still the last key
-                leaf_reused += 1
-                old, c = queues[-1], -1 - code
-            else:
-                inner_reused += 1
-                c = code
-                old = queues[c if c < top else top]
-            del old[k]
-            c += 1
-            if i == last and code < 0:
-                count[k] = -1 - c
-                queues[-1][k] = now
-            else:
-                count[k] = c
-                queues[c if c < top else top][k] = now
+            code = st & 7
+            if age_of < 0:
+                age_of = st >> 3
+            if code >= 4:
+                reused += code == 4
+                order[k] = stamp | (code + 1 if code < top else top)
+            else:  # a leaf: still one only as the last key
+                leaf_reused += code == 3
+                c = 3 - code
+                if c < self.TOP:
+                    c += 1
+                order[k] = stamp | ((3 - c) if first else (4 + c))
+            move(k)
+            first = False
+        if age_of >= 0:
+            self._saw_reuse(self.clock - age_of)
         self.leaf_stats[1] += leaf_reused
-        self.inner_stats[1] += inner_reused
+        self.inner_stats[1] += reused
 
     def remove(self, key: bytes) -> None:
-        code = self.count.pop(key, None)
-        if code is None:
-            return
-        if code < 0:
-            del self.queues[-1][key]
-        else:
-            del self.queues[min(code, self.CLASSES - 1)][key]
+        self.order.pop(key, None)
 
     def evict(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes] | None:
         if n <= 0:
             return []
-        if n > len(self.count):
+        order = self.order
+        if n > len(order):
             return None
-        # Plan: merge the queue heads by adjusted age, skipping pinned keys;
-        # commit only once n victims are found (atomic).
-        queues = self.queues
-        leaf_bias = -(1 << 62) if self._demote_leaves() else 0
-        bias = [c * self.bonus for c in range(self.CLASSES)] + [leaf_bias]
-        iters = [iter(q.items()) for q in queues]
-        heads: list[tuple[bytes, int] | None] = [self._next(it, can_evict) for it in iters]
-        victims: list[tuple[bytes, int]] = []
+        popitem = order.popitem
+        now = self.clock
+        window = self.reuse_age * self.window
+        ghost = self.ghost
+        victims: list[bytes] = []
+        popped: list[bytes] = []  # every key taken off the old end, in order (for undo)
+        pinned: list[tuple[bytes, int]] = []
+        second_chances = len(order)  # one whole pass at most, then protection ends
+        prot = 0  # victims whose protection had expired
         while len(victims) < n:
-            best = -1
-            best_age = 0
-            for qi, h in enumerate(heads):
-                if h is not None and (best < 0 or h[1] + bias[qi] < best_age):
-                    best, best_age = qi, h[1] + bias[qi]
-            if best < 0:
+            if not order:
+                self._undo(popped, pinned)
                 return None
-            victims.append((heads[best][0], best))
-            heads[best] = self._next(iters[best], can_evict)
-        count, ghost = self.count, self.ghost
-        out = []
-        for k, qi in victims:
-            del queues[qi][k]
-            ghost[k] = count.pop(k)
-            out.append(k)
-        while len(ghost) > self.ghost_cap:
-            ghost.popitem(last=False)
-        return out
+            k, st = popitem(last=False)
+            popped.append(k)
+            code = st & 7
+            if code > 4 and second_chances and (st >> 3) + (code - 4) * window > now:
+                order[k] = st  # protected: back to the new end
+                second_chances -= 1
+            elif not can_evict(k):
+                pinned.append((k, st))
+            else:
+                victims.append(k)
+                ghost[k] = st
+                prot += code > 4
+        self.evicted_prot += prot
+        self.evicted_plain += n - prot
+        move = order.move_to_end
+        for k, st in reversed(pinned):  # back to the old end, in their order
+            order[k] = st
+            move(k, last=False)
+        if len(ghost) >= self.ghost_gen:
+            self.ghost_old = ghost
+            self.ghost = {}
+        return victims
 
-    @staticmethod
-    def _next(it, can_evict: Callable[[bytes], bool]) -> tuple[bytes, int] | None:
-        for item in it:
-            if can_evict(item[0]):
-                return item
-        return None
+    def _undo(self, popped: list[bytes], pinned: list[tuple[bytes, int]]) -> None:
+        """A failed evict examined every key: rebuild the queue from the pop
+        order (a key's first pop is its original place)."""
+        order, ghost = self.order, self.ghost
+        state = dict(pinned)
+        state.update(order)  # second chances still queued, state unchanged
+        order.clear()
+        for k in popped:
+            if k not in order:
+                st = state.get(k)
+                order[k] = ghost.pop(k) if st is None else st
 
     def __len__(self) -> int:
-        return len(self.count)
+        return len(self.order)
 
     def __contains__(self, key: object) -> bool:
-        return key in self.count
+        return key in self.order
