@@ -71,8 +71,8 @@ def test_first_500_mooncake_requests_match_an_independent_lru(mooncake_path):
     tr = load_trace(mooncake_path, limit=500)
     cap = 400
     # The simplest LRU of the same semantics: at arrival count the leading
-    # resident run; touch the resident blocks, store the missing ones
-    # (evicting least recent), then order the request's blocks head most recent.
+    # resident run; touch the resident blocks (head most recent), store the
+    # missing ones (evicting least recent), touch the resident ones again.
     lru: OrderedDict = OrderedDict()
     hits = 0
     for req in tr.requests:
@@ -81,15 +81,15 @@ def test_first_500_mooncake_requests_match_an_independent_lru(mooncake_path):
         while n < len(blocks) and blocks[n] in lru:
             n += 1
         hits += n
-        for b in reversed(blocks):
-            if b in lru:
-                lru.move_to_end(b)
+        resident = [b for b in blocks if b in lru]
+        for b in reversed(resident):
+            lru.move_to_end(b)
         for b in reversed(blocks):
             if b not in lru:
                 if len(lru) == cap:
                     lru.popitem(last=False)
                 lru[b] = True
-        for b in reversed(blocks):
+        for b in reversed(resident):
             lru.move_to_end(b)
     r = replay(tr, opts(cap))
     assert hits > 0

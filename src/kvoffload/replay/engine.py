@@ -78,6 +78,7 @@ class _Run:
     jobs: set[int] = field(default_factory=set)
     request_level: bool = False
     bad: list[int] = field(default_factory=list)  # loaded block indices that failed
+    stored: set[bytes] = field(default_factory=set)  # keys this request stored
 
 
 @dataclass
@@ -483,6 +484,7 @@ class ReplayEngine:
         c["evicted_blocks"] += len(out.evicted_keys)
         if not out.keys_to_store:
             return
+        run.stored = set(out.keys_to_store)
         pos = {k: i for i, k in enumerate(run.keys[lo:end], lo)}
         where = np.array([pos[k] for k in out.keys_to_store], dtype=np.int64)
         job = self._next_job()
@@ -504,9 +506,12 @@ class ReplayEngine:
         mgr = self.manager
         plen = len(run.req.block_hashes)
         t0 = time.perf_counter()
-        # Mark the whole prompt used once more, now its new blocks are stored:
-        # the request's blocks end most recent, head first.
-        mgr.touch(run.keys[:plen], run.ctx)
+        # The blocks this request reused are used once more after its new ones
+        # were stored, so the request's blocks end up most recent head first.
+        # Not the new ones: a touch right after the store would count as a
+        # second use (and promote every block in a frequency-aware policy).
+        new = run.stored
+        mgr.touch([k for k in run.keys[:plen] if k not in new] if new else run.keys[:plen], run.ctx)
         mgr.on_request_finished(run.ctx)
         self._mgr(t0, plen)
         # Tail first, as vLLM frees them: the head stays cached longest.

@@ -51,8 +51,10 @@ def leading_run(blocks: Sequence[int], resident) -> int:
 def simulate_lru(requests: Sequence[Sequence[int]], capacity: int) -> OracleResult:
     """LRU the way the replay drives a manager: touch the resident blocks,
     store the missing ones (evicting least recent, but never the blocks this
-    store names; refused whole if that leaves too few), then mark the
-    request's blocks used with its head most recent (a prefix's tail goes first)."""
+    store names; refused whole if that leaves too few), insert them, then
+    touch the reused blocks again: the request's blocks end most recent
+    head first when its reused blocks precede its new ones (a prefix's tail
+    goes first). The new blocks are not touched: that would be a second use."""
     cache: OrderedDict[int, None] = OrderedDict()  # least recent first
     hits = refs = 0
     for blocks in requests:
@@ -79,8 +81,9 @@ def simulate_lru(requests: Sequence[Sequence[int]], capacity: int) -> OracleResu
                 del cache[b]
         for b in reversed(missing):
             cache[b] = None
+        new = set(missing)
         for b in reversed(blocks):
-            if b in cache:
+            if b in cache and b not in new:
                 cache.move_to_end(b)
     return OracleResult("lru", capacity, refs, hits)
 
