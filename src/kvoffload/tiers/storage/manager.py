@@ -204,7 +204,7 @@ class StorageOffloadingManager(OffloadingManager):
         if not self._slot_of:
             self.store.clear()
         else:
-            self.store.free_durable([s for s in range(self.store.num_slots) if s not in self._key_of])
+            self.store.commit([], [s for s in range(self.store.num_slots) if s not in self._key_of])
 
     def get_stats(self) -> OffloadingStats:
         self._drain_corrupt()

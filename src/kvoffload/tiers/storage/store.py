@@ -104,23 +104,25 @@ class SlabStore:
         """(file descriptor, byte offset) of a slot."""
         return self.fds[slot % self.num_files], (slot // self.num_files) * self.slot_bytes
 
-    # --- index updates (called by IO threads) ---
+    # --- index updates (called by the worker's commit thread) ---
 
-    def free_durable(self, slots) -> None:
-        """Before slots are overwritten: durably forget what they held."""
+    def commit(self, puts: list[tuple[int, bytes, int]], frees: list[int]) -> None:
+        """One durable index append for many jobs (group commit): PUT
+        (slot, key, checksum) entries, whose bytes must already be durable,
+        then FREEs of slots about to be overwritten (only those the index
+        names). A slot can be in both: its new owner is evicted already."""
+        put_slots = {s for s, _, _ in puts}
         with self._lock:
-            held = [s for s in slots if s in self.durable]
-            for s in held:
-                del self.durable[s]
-        if held:
-            self.index.append(b"".join(pack(OP_FREE, s, 0, b"") for s in held))
-
-    def publish(self, entries: list[tuple[int, bytes, int]]) -> None:
-        """Make (slot, key, checksum) entries visible; their bytes must be durable."""
-        self.index.append(b"".join(pack(OP_PUT, s, c, k) for s, k, c in entries))
-        with self._lock:
-            for s, k, c in entries:
+            held = [s for s in frees if s in self.durable or s in put_slots]
+        records = [pack(OP_PUT, s, c, k) for s, k, c in puts]
+        records += [pack(OP_FREE, s, 0, b"") for s in held]
+        if records:
+            self.index.append(b"".join(records))
+        with self._lock:  # visible to loads only once durable
+            for s, k, c in puts:
                 self.durable[s] = (k, c)
+            for s in held:
+                self.durable.pop(s, None)
 
     def expected_checksum(self, slot: int) -> int | None:
         with self._lock:

@@ -1,16 +1,19 @@
 """Moves whole chunks between host-pool slots and slab-file slots with
-O_DIRECT, on a small pool of IO threads.
+O_DIRECT, on a small pool of IO threads plus one commit thread.
 
 Host-pool chunks are page-aligned and a multiple of 4 KiB, so they are read
 and written in place (no bounce buffer). A job is split into one task per
-IO thread; the last task to finish completes the job:
-- store: fdatasync the slabs it touched, then publish its index entries
-  (a block is visible only once its bytes are durable);
-- load: each chunk's xxhash is checked against the index as it is read; a
-  mismatch fails the job and the slot is reported corrupt (a miss, never
-  served).
-IO errors fail the job (the tiering manager turns that into a miss or a
-dropped store) and never raise into the engine.
+IO thread. A store job passes the commit thread twice:
+- before its writes: FREE records for the slots it will overwrite are made
+  durable (so a crash mid-write never leaves an index entry over new bytes);
+- after its writes: the slabs are fdatasync'd, then its PUT records are
+  appended and made durable (a block is visible only once its bytes are).
+The commit thread takes every job waiting at once, so many jobs share one
+fdatasync per slab file and one index append (group commit).
+A load checks each chunk's xxhash against the index as it is read; a
+mismatch fails the job and the slot is reported corrupt (a miss, never
+served). IO errors fail the job (the tiering manager turns that into a miss
+or a dropped store) and never raise into the engine.
 """
 
 from __future__ import annotations
@@ -61,8 +64,11 @@ class StorageWorker(TierWorker):
         self._finished: deque[TransferResult] = deque()
         self._done = threading.Condition()
         self._in_flight: set[int] = set()
+        self._commits: queue.SimpleQueue = queue.SimpleQueue()  # (job, bytes written?)
         self._threads = [threading.Thread(target=self._run, name=f"kvoffload-storage-io-{i}",
                                           daemon=True) for i in range(self.io_threads)]
+        self._threads.append(threading.Thread(target=self._run_commits, name="kvoffload-storage-commit",
+                                              daemon=True))
         for t in self._threads:
             t.start()
 
@@ -93,8 +99,11 @@ class StorageWorker(TierWorker):
         return len(self._in_flight)
 
     def shutdown(self) -> None:
-        for _ in self._threads:
+        with self._done:
+            self._done.wait_for(lambda: not self._in_flight, timeout=60)
+        for _ in range(self.io_threads):
             self._tasks.put(None)
+        self._commits.put(None)
         for t in self._threads:
             t.join(timeout=30)
 
@@ -113,7 +122,7 @@ class StorageWorker(TierWorker):
         with self._done:
             self._in_flight.add(job_id)
         if is_store:
-            self._tasks.put((job, -1))  # first durably forget what the slots held
+            self._commits.put((job, False))  # first durably forget what the slots held
         else:
             self._enqueue_parts(job)
         return True
@@ -129,18 +138,10 @@ class StorageWorker(TierWorker):
                 return
             job, part = task
             try:
-                if part < 0:
-                    self.store.free_durable(job.slots)
-                    self._enqueue_parts(job)
-                    continue
                 self._do_part(job, part)
             except OSError as e:
                 log.warning("storage job %d failed: %s", job.job_id, e)
                 job.ok = False
-                if part < 0:
-                    job.remaining = 1
-                    self._finish(job)
-                    continue
             except Exception:  # never let an IO thread die
                 log.exception("storage job %d failed", job.job_id)
                 job.ok = False
@@ -148,7 +149,10 @@ class StorageWorker(TierWorker):
                 job.remaining -= 1
                 last = job.remaining == 0
             if last:
-                self._finish(job)
+                if job.is_store and job.ok:
+                    self._commits.put((job, True))
+                else:
+                    self._finish(job)
 
     def _do_part(self, job: _Job, part: int) -> None:
         n = len(job.slots)
@@ -173,15 +177,36 @@ class StorageWorker(TierWorker):
                     self.store.report_corrupt(job.slots[i])
                     job.ok = False
 
-    def _finish(self, job: _Job) -> None:
-        if job.is_store and job.ok:
+    def _run_commits(self) -> None:
+        """Group commit: everything waiting shares one round of syncs."""
+        while True:
+            batch = [self._commits.get()]
+            while True:
+                try:
+                    batch.append(self._commits.get_nowait())
+                except queue.Empty:
+                    break
+            if any(item is None for item in batch):
+                return
+            written = [job for job, after in batch if after]
+            starting = [job for job, after in batch if not after]
+            puts = [e for job in written for e in zip(job.slots, job.keys, job.checksums)]
+            frees = [s for job in starting for s in job.slots]
             try:
-                touched = {self.store.locate(s)[0] for s in job.slots}
-                self.store.sync_data(touched)
-                self.store.publish(list(zip(job.slots, job.keys, job.checksums)))
+                self.store.sync_data({self.store.locate(s)[0] for job in written for s in job.slots})
+                self.store.commit(puts, frees)
             except OSError as e:
-                log.warning("storage job %d: cannot make durable: %s", job.job_id, e)
-                job.ok = False
+                log.warning("storage index commit failed: %s", e)
+                for job in written + starting:
+                    job.ok = False
+                    self._finish(job)
+                continue
+            for job in written:
+                self._finish(job)
+            for job in starting:
+                self._enqueue_parts(job)
+
+    def _finish(self, job: _Job) -> None:
         nbytes = len(job.slots) * self.store.slot_bytes if job.ok else 0
         self._finished.append(TransferResult(job.job_id, job.ok, nbytes,
                                              time.perf_counter() - job.start))
