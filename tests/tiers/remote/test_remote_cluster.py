@@ -31,3 +31,10 @@ def test_cluster_round_trip(redis_cluster, prefix):
         assert np.array_equal(pool.array[:32], pool.array[32:])
     finally:
         tier.shutdown()
+
+
+def test_cluster_mode_against_a_standalone_server_is_a_clear_error(redis_server, prefix):
+    from kvoffload.config import ConfigError
+
+    with pytest.raises(ConfigError, match="remote.cluster"):
+        make_tier(redis_server.url, prefix, cluster=True)

@@ -63,7 +63,14 @@ def build_client(cfg: RemoteConfig) -> redis.Redis | redis.cluster.RedisCluster:
         from redis.cluster import RedisCluster
 
         kw.pop("retry")
-        return RedisCluster.from_url(url, **kw)
+        try:  # learns the topology now, so the cluster must answer at start-up
+            return RedisCluster.from_url(url, **kw)
+        except redis.AuthenticationError as e:
+            raise ConfigError(f"remote tier: authentication to cluster {cfg.redacted_url} failed ({e}); "
+                              f"check remote.password / remote.username") from None
+        except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
+            raise ConfigError(f"remote tier: cannot use {cfg.redacted_url} as a Redis Cluster "
+                              f"(remote.cluster is true): {e}") from None
     return redis.Redis.from_url(url, **kw)
 
 
