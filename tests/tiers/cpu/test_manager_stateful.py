@@ -14,7 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvoffload.abstractions import LookupResult
+from kvoffload.abstractions import LookupResult, ReqContext
 from kvoffload.keys import make_offload_key
 from kvoffload.tiers.cpu.manager import BlockStateError, CPUOffloadingManager
 
@@ -35,6 +35,11 @@ class ManagerMachine(RuleBasedStateMachine):
         self.stores: list[list[bytes]] = []  # keys_to_store of stores in flight
         self.done_stores: list[list[bytes]] = []
         self.loads: list[list[bytes]] = []  # loads in flight
+        # positions for some keys only: both prefix_order paths get exercised
+        self.ctx = ReqContext("r")
+        for i, k in enumerate(KEYS):
+            if i % 3:
+                self.ctx.set_offload_key_position(k, (len(KEYS) - i) * 16)
 
     def snapshot(self):
         m = self.m
@@ -66,10 +71,11 @@ class ManagerMachine(RuleBasedStateMachine):
             self.stores.append(new)
 
     @precondition(lambda self: self.stores)
-    @rule(i=picks, success=st.booleans())
-    def complete_store(self, i, success):
+    @rule(i=picks, success=st.booleans(), with_ctx=st.booleans())
+    def complete_store(self, i, success, with_ctx):
         keys = self.stores.pop(i % len(self.stores))
-        self.m.complete_store(set(keys), None, success=success)  # vLLM passes a set
+        # vLLM passes a set
+        self.m.complete_store(set(keys), self.ctx if with_ctx else None, success=success)
         for k in keys:
             if success:
                 self.state[k] = "ready"
@@ -117,9 +123,9 @@ class ManagerMachine(RuleBasedStateMachine):
                 self.m.complete_load([key], None)
         assert self.snapshot() == before
 
-    @rule(keys=key_lists)
-    def touch(self, keys):
-        self.m.touch(keys, None)
+    @rule(keys=key_lists, with_ctx=st.booleans())
+    def touch(self, keys, with_ctx):
+        self.m.touch(keys, self.ctx if with_ctx else None)
 
     @rule()
     def reset_cache(self):
@@ -164,7 +170,7 @@ class ARCMachine(ManagerMachine):
     policy = "arc"
 
 
-SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None,
+SETTINGS = settings(max_examples=100, stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 TestLRUManager = ManagerMachine.TestCase
 TestLRUManager.settings = SETTINGS
