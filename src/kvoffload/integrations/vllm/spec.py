@@ -30,15 +30,24 @@ from kvoffload.metrics import build_metric_definitions
 from kvoffload.spec import get_spec_class
 
 # (engine id, our spec name, our config) -> the kvoffload spec of this process
-_SHARED: dict[tuple[str, str, str], OffloadingSpec] = {}
+# and which of get_manager / get_worker it still waits for; dropped once it
+# has both, so a process that makes engine after engine does not keep pools.
+_SHARED: dict[tuple[str, str, str], tuple[OffloadingSpec, set[str]]] = {}
 
 
-def _shared_spec(engine_id: str, spec_name: str, config: Any) -> OffloadingSpec:
+def _shared_spec(engine_id: str, spec_name: str, config: Any) -> tuple[tuple, OffloadingSpec]:
     key = (engine_id, spec_name, json.dumps(config.to_dict(), sort_keys=True, default=str))
-    spec = _SHARED.get(key)
-    if spec is None:
-        spec = _SHARED[key] = get_spec_class(spec_name)(config)
-    return spec
+    if key not in _SHARED:
+        _SHARED[key] = (get_spec_class(spec_name)(config), {"manager", "worker"})
+    return key, _SHARED[key][0]
+
+
+def _done(key: tuple, role: str) -> None:
+    entry = _SHARED.get(key)
+    if entry is not None:
+        entry[1].discard(role)
+        if not entry[1]:
+            del _SHARED[key]
 
 
 class KVOffloadingSpec(vbase.OffloadingSpec):
@@ -59,7 +68,7 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
         self.spec_name = str(config.extra_config.get(convert.SPEC_KEY, "cpu"))
         spec_cls = get_spec_class(self.spec_name)
         self.kvoffload_config = convert.offloading_config(config, tuple(_accepted_keys(spec_cls)))
-        self.inner = _shared_spec(config.engine_id, self.spec_name, self.kvoffload_config)
+        self._key, self.inner = _shared_spec(config.engine_id, self.spec_name, self.kvoffload_config)
         self._manager: VLLMOffloadingManager | None = None
 
     def get_manager(self) -> VLLMOffloadingManager:
@@ -71,10 +80,13 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
                     "(on CPU: VLLM_ENABLE_V1_MULTIPROCESSING=0)"
                 )
             self._manager = VLLMOffloadingManager(self.inner.get_manager())
+            _done(self._key, "manager")
         return self._manager
 
     def get_worker(self, kv_caches: Any) -> VLLMOffloadingWorker:
-        return VLLMOffloadingWorker(self.inner.get_worker(convert.kv_caches(kv_caches)))
+        worker = VLLMOffloadingWorker(self.inner.get_worker(convert.kv_caches(kv_caches)))
+        _done(self._key, "worker")
+        return worker
 
 
 def _accepted_keys(spec_cls: type) -> set[str]:

