@@ -183,6 +183,7 @@ class CPUOffloadingWorker(OffloadingWorker):
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
         self._in_flight: set[int] = set()
+        self._waited: set[int] = set()  # job ids some wait() call blocks on
         self._finished: list[TransferResult] = []
         if self.use_cuda:
             self._init_cuda()
@@ -191,8 +192,10 @@ class CPUOffloadingWorker(OffloadingWorker):
 
     # ---- plans -------------------------------------------------------
 
-    def _plan(self, job_id: int, direction: str, gpu: GPULoadStoreSpec, cpu: LoadStoreSpec) -> _Job:
-        """Byte ranges of one job; raises ValueError on a bad spec."""
+    def _check(self, gpu: GPULoadStoreSpec, cpu: LoadStoreSpec) -> list[tuple[int, np.ndarray, np.ndarray, int]]:
+        """Split a job by group into (group, GPU blocks, CPU slots, blocks to
+        skip in the first chunk); raises ValueError on a bad spec. Cheap: it
+        runs in the caller's thread, the plan is built by the copier."""
         if not isinstance(gpu, GPULoadStoreSpec):
             raise ValueError(f"GPU side must be a GPULoadStoreSpec, got {type(gpu).__name__}")
         if not isinstance(cpu, CPULoadStoreSpec):
@@ -202,7 +205,7 @@ class CPUOffloadingWorker(OffloadingWorker):
         slots = cpu.block_ids
         if len(slots) and (slots.min() < 0 or slots.max() >= self.num_chunks):
             raise ValueError(f"CPU slot ids must be in [0, {self.num_chunks}), got {slots.tolist()}")
-        parts, block_start, slot_start = [], 0, 0
+        groups, block_start, slot_start = [], 0, 0
         for g, (n, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices)):
             k = self._block_factor[g]
             skip = first % k  # GPU blocks of the first chunk that are not in this job
@@ -211,28 +214,39 @@ class CPUOffloadingWorker(OffloadingWorker):
             group_slots = slots[slot_start : slot_start + n_chunks]
             block_start += n
             slot_start += n_chunks
-            if len(group_slots) < n_chunks:
-                break  # reported below
-            p = self._pieces[g]
-            if n == 0 or len(p.size) == 0:
-                continue
-            if blocks.min() < 0 or blocks.max() >= p.min_blocks:
-                raise ValueError(f"group {g}: GPU block ids must be in [0, {p.min_blocks}), "
-                                 f"got {blocks.tolist()}")
-            pos = skip + np.arange(n, dtype=np.int64)  # sub-block position within the job's chunks
-            chunk_base = group_slots[pos // k] * self.pool.chunk_bytes + (pos % k)[None, :] * p.page_in_chunk[:, None]
+            if n == 0 or len(self._pieces[g].size) == 0 or len(group_slots) < n_chunks:
+                continue  # nothing to copy (a short slot list is reported below)
+            limit = self._pieces[g].min_blocks
+            if blocks.min() < 0 or blocks.max() >= limit:
+                raise ValueError(f"group {g}: GPU block ids must be in [0, {limit}), got {blocks.tolist()}")
+            groups.append((g, blocks, group_slots, skip))
+        if slot_start != len(slots):
+            raise ValueError(
+                f"the GPU blocks (group_sizes {list(gpu.group_sizes)}, block_indices "
+                f"{list(gpu.block_indices)}) span {slot_start} chunks, but {len(slots)} CPU slots were given"
+            )
+        return groups
+
+    def _plan(self, job_id: int, direction: str, groups) -> _Job:
+        """The byte ranges of a checked job, neighbours merged."""
+        parts = []
+        for g, blocks, slots, skip in groups:
+            p, k = self._pieces[g], self._block_factor[g]
+            # shape (pieces, blocks): piece-major, so one layer's consecutive pages stay neighbours
+            if k == 1:
+                chunk_base = np.broadcast_to((slots * self.pool.chunk_bytes)[None, :], (len(p.size), len(blocks)))
+            else:
+                pos = skip + np.arange(len(blocks), dtype=np.int64)  # sub-block position in the job's chunks
+                chunk_base = (slots[pos // k] * self.pool.chunk_bytes)[None, :] + (pos % k)[None, :] * p.page_in_chunk[:, None]
             parts.append((
                 np.broadcast_to(p.tensor_idx[:, None], chunk_base.shape),
                 p.src_offset[:, None] + blocks[None, :] * p.block_stride[:, None],
                 chunk_base + p.chunk_offset[:, None],
                 np.broadcast_to(p.size[:, None], chunk_base.shape),
             ))
-        if slot_start != len(slots):
-            raise ValueError(
-                f"the GPU blocks (group_sizes {list(gpu.group_sizes)}, block_indices "
-                f"{list(gpu.block_indices)}) span {slot_start} chunks, but {len(slots)} CPU slots were given"
-            )
-        if parts:
+        if len(parts) == 1:
+            arrays = [a.ravel() for a in parts[0]]
+        elif parts:
             arrays = [np.concatenate([part[i].ravel() for part in parts]) for i in range(4)]
         else:
             arrays = [np.zeros(0, dtype=np.int64) for _ in range(4)]
@@ -257,7 +271,7 @@ class CPUOffloadingWorker(OffloadingWorker):
                 logger.warning("refused %s job: %s", direction, self.last_error)
                 return False
         try:
-            job = self._plan(job_id, direction, gpu, cpu)
+            groups = self._check(gpu, cpu)
         except ValueError as e:
             self.last_error = f"job {job_id}: {e}"
             logger.warning("refused %s job: %s", direction, self.last_error)
@@ -265,9 +279,12 @@ class CPUOffloadingWorker(OffloadingWorker):
         with self._lock:
             self._in_flight.add(job_id)
         if self.use_cuda:
-            self._launch_cuda(job)
+            self._launch_cuda(self._plan(job_id, direction, groups))
         else:
-            self._queue.put(job)
+            self._queue.put((job_id, direction, groups))
+            # Let the copier (which needs the GIL between its memmoves) run
+            # now, rather than after a 5 ms forced switch if we keep the GIL.
+            time.sleep(0)
         return True
 
     def get_finished(self) -> list[TransferResult]:
@@ -281,14 +298,19 @@ class CPUOffloadingWorker(OffloadingWorker):
         if self.use_cuda:
             self._poll_cuda(block_on=set(job_ids))
             return
+        job_ids = set(job_ids)
         with self._done:
-            self._done.wait_for(lambda: not (self._in_flight & set(job_ids)))
+            self._waited |= job_ids
+            self._done.wait_for(lambda: not (self._in_flight & job_ids))
 
-    def _finish(self, job: _Job, success: bool, seconds: float | None) -> None:
+    def _finish(self, job_id: int, nbytes: int, seconds: float | None) -> None:
+        """Report a job; nbytes < 0 means it failed."""
         with self._done:
-            self._in_flight.discard(job.job_id)
-            self._finished.append(TransferResult(job.job_id, success, job.nbytes if success else 0, seconds))
-            self._done.notify_all()
+            self._in_flight.discard(job_id)
+            self._finished.append(TransferResult(job_id, nbytes >= 0, max(nbytes, 0), seconds))
+            if job_id in self._waited:  # wake waiters only for what they wait on
+                self._waited.discard(job_id)
+                self._done.notify_all()
 
     def shutdown(self) -> None:
         """Finish the jobs already submitted, then stop and unpin the pool."""
@@ -309,20 +331,22 @@ class CPUOffloadingWorker(OffloadingWorker):
         self._gpu_base = np.array([kvt.tensor.data_ptr() for kvt in self.kv_caches.tensors] or [0],
                                   dtype=np.int64)
         self._pool_base = self.pool.tensor.data_ptr()
-        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvoffload-cpu-copy", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while (job := self._queue.get()) is not None:
+        while (item := self._queue.get()) is not None:
+            job_id, direction, groups = item
             t0 = time.perf_counter()
             try:
+                job = self._plan(job_id, direction, groups)
                 self._copy(job)
             except Exception:  # a failed job never takes the thread down
-                logger.exception("CPU offload %s job %d failed", job.direction, job.job_id)
-                self._finish(job, False, time.perf_counter() - t0)
+                logger.exception("CPU offload %s job %d failed", direction, job_id)
+                self._finish(job_id, -1, time.perf_counter() - t0)
             else:
-                self._finish(job, True, time.perf_counter() - t0)
+                self._finish(job_id, job.nbytes, time.perf_counter() - t0)
 
     def _copy(self, job: _Job) -> None:
         """The whole CPU copy path: memmove each byte range."""
@@ -363,7 +387,7 @@ class CPUOffloadingWorker(OffloadingWorker):
                 end.record(stream)
         except Exception:
             logger.exception("CUDA offload %s job %d failed to launch", job.direction, job.job_id)
-            self._finish(job, False, None)
+            self._finish(job.job_id, -1, None)
             return
         with self._lock:
             self._pending[job.job_id] = (job, start, end)
@@ -390,4 +414,4 @@ class CPUOffloadingWorker(OffloadingWorker):
             with self._lock:
                 if self._pending.pop(job.job_id, None) is None:
                     continue  # another thread finished it
-            self._finish(job, True, start.elapsed_time(end) / 1000.0)
+            self._finish(job.job_id, job.nbytes, start.elapsed_time(end) / 1000.0)
