@@ -55,12 +55,13 @@ def dd_read(path: Path, bs: int, count: int) -> float:
     return _dd([f"if={path}", "of=/dev/null", f"bs={bs}", f"count={count}", "iflag=direct"])
 
 
-def tier_write_read(root: Path, pool: HostPool, batch: int, io_threads: int) -> tuple[float, float]:
+def tier_write_read(root: Path, pool: HostPool, batch: int, io_threads: int,
+                    num_files: int) -> tuple[float, float]:
     """Seconds to store every pool chunk (fresh slab files), then load them back."""
     shutil.rmtree(root, ignore_errors=True)
     bs, n = pool.chunk_bytes, pool.num_chunks
     ns = Namespace(model="bench", chunk_bytes=bs)
-    tier = StorageTier(str(root), n * bs, bs, ns, io_threads=io_threads)
+    tier = StorageTier(str(root), n * bs, bs, ns, io_threads=io_threads, num_files=num_files)
     mgr, worker = tier.get_manager(), tier.get_worker(pool)
     ctx = ReqContext("bench")
     keys = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(n)]
@@ -109,7 +110,7 @@ def run_io(args) -> dict:
             ddw.append(dd_write(f, bs, n))
             ddr.append(dd_read(f, bs, n))
             f.unlink()
-            w, r = tier_write_read(root / "tier", pool, args.batch, args.io_threads)
+            w, r = tier_write_read(root / "tier", pool, args.batch, args.io_threads, args.num_files)
             tw.append(w)
             tr.append(r)
             bar.update()
@@ -128,7 +129,7 @@ def run_io(args) -> dict:
         print(f"{r['chunk_bytes'] >> 10:>6}Ki | {r['dd_write_GBps']:>9.2f} {r['tier_write_GBps']:>10.2f} "
               f"{r['write_ratio']:>6.2f} | {r['dd_read_GBps']:>8.2f} {r['tier_read_GBps']:>9.2f} "
               f"{r['read_ratio']:>6.2f}")
-    return {"io": rows, "io_threads": args.io_threads, "batch_chunks": args.batch}
+    return {"io": rows, "io_threads": args.io_threads, "num_files": args.num_files, "batch_chunks": args.batch}
 
 
 # ---- replay -----------------------------------------------------------------
@@ -155,6 +156,7 @@ def run_replay(args) -> dict:
             shutil.rmtree(d, ignore_errors=True)
             spec = "tiered"
             extra["secondary_tiers"] = [{"type": "storage", "path": str(d), "store_threshold": th,
+                                         "max_queue_depth": args.max_queue_depth,
                                          "capacity_bytes": max(1, int(unique * share)) * chunk}]
         opts = EngineOptions(spec=spec, extra_config=extra, kv_bytes_per_token=args.kv_bytes_per_token,
                              progress=False)
@@ -172,12 +174,12 @@ def run_replay(args) -> dict:
     base = rows[0]["offload_prefix_hit_rate"]
     print(f"trace {trace.name}: {len(trace.requests)} requests, {unique} unique blocks, "
           f"CPU tier {cpu} blocks ({args.cpu_share:.0%})")
-    print(f"{'config':<36} {'hit rate':>8} {'gain':>7} {'written to storage':>19} {'read':>9}")
+    print(f"{'config':<36} {'hit rate':>8} {'gain':>7} {'written to storage':>19} {'read':>9} {'dropped':>8}")
     for r in rows:
         print(f"{r['config']:<36} {r['offload_prefix_hit_rate']:>8.4f} "
               f"{r['offload_prefix_hit_rate'] - base:>+7.4f} {r['storage_stored_bytes'] / 1e9:>16.2f} GB "
-              f"{r['storage_loaded_bytes'] / 1e9:>6.2f} GB")
-    return {"replay": rows, "cpu_blocks": cpu, "unique_blocks": unique, "requests": len(trace.requests)}
+              f"{r['storage_loaded_bytes'] / 1e9:>6.2f} GB {r['storage_dropped']:>8,}")
+    return {"replay": rows, "max_queue_depth": args.max_queue_depth, "cpu_blocks": cpu, "unique_blocks": unique, "requests": len(trace.requests)}
 
 
 def plot(result: dict, path: Path) -> None:
@@ -217,12 +219,14 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--batch", type=int, default=16, help="chunks per store/load job")
     p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument("--num-files", type=int, default=4, help="slab files of the storage tier")
     p.add_argument("--trace", default=str(TRACE))
     p.add_argument("--limit", type=int, help="replay only the first N requests")
     p.add_argument("--cpu-share", type=float, default=0.01, help="CPU tier size, share of unique blocks")
     p.add_argument("--storage-shares", type=lambda s: [float(x) for x in s.split(",")], default=[0.05, 0.25])
     p.add_argument("--thresholds", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 3])
     p.add_argument("--kv-bytes-per-token", type=int, default=16)
+    p.add_argument("--max-queue-depth", type=int, default=256, help="storage chunks in flight before drops")
     p.add_argument("--out", default="out/bench_storage", help="JSON and PNG go here")
     p.add_argument("--no-progress", action="store_true")
     args = p.parse_args()

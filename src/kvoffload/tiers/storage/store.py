@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
 
@@ -54,6 +55,7 @@ class SlabStore:
         self.durable = self.index.entries
         self._lock = threading.Lock()
         self._corrupt: list[int] = []
+        self._syncer: ThreadPoolExecutor | None = None
 
     def _open(self, direct_io: bool) -> None:
         self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -152,10 +154,22 @@ class SlabStore:
         self.index.clear()
 
     def sync_data(self, fds) -> None:
-        for fd in fds:
-            os.fdatasync(fd)
+        """fdatasync the given slab files, concurrently: the filesystem
+        journal folds concurrent syncs into one commit."""
+        fds = list(fds)
+        if len(fds) <= 1:
+            for fd in fds:
+                os.fdatasync(fd)
+            return
+        if self._syncer is None:
+            self._syncer = ThreadPoolExecutor(self.num_files, thread_name_prefix="kvoffload-storage-sync")
+        for f in [self._syncer.submit(os.fdatasync, fd) for fd in fds]:
+            f.result()  # re-raises an OSError here
 
     def close(self) -> None:
+        if getattr(self, "_syncer", None) is not None:
+            self._syncer.shutdown()
+            self._syncer = None
         if getattr(self, "index", None) is not None:
             self.index.close()
         for fd in self.fds:
