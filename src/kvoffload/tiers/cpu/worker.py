@@ -5,15 +5,19 @@ Chunk layout inside a pool slot of a key of group g: for each ref of
 group_data_refs[g] in order, gpu_blocks_per_chunk(g) pages of that ref,
 back to back. A ref with a CanonicalPageMapping stores canonical pages
 (canonical_page_size_bytes each) and is copied fragment by fragment
-through its CopyRuns.
+through its CopyRuns: each fragment is one more "piece" (_group_pieces),
+so mapped and plain refs share all the code below. The CPU pool is this
+rank's own, so every rank writes all of its fragments (is_writer matters
+for tiers that ranks share).
 
 Every job becomes a *plan*: flat arrays of (tensor index, byte offset in
 that tensor, byte offset in the pool, bytes), built with a few numpy ops
 from per-piece offsets precomputed at start, with neighbouring ranges
 merged. Executing a plan is one loop and touches no allocator:
-- CPU tensors: one transfer thread runs ctypes.memmove over raw addresses
-  (it releases the GIL; it beat copy_ loops and index_select/index_copy_
-  here, see docs/BENCHMARKS.md);
+- CPU tensors: one transfer thread plans each job and runs ctypes.memmove
+  over raw addresses (memmove releases the GIL; it beat copy_ loops and
+  index_select/index_copy_ here, see docs/BENCHMARKS.md). The thread takes
+  the GIL back between ranges, so merged, large ranges matter;
 - CUDA tensors: non_blocking copy_ of byte views on the worker's own store
   and load streams (after waiting on the compute stream's event); a job is
   done when its end event completes.
