@@ -180,3 +180,54 @@ def test_bad_options_name_the_value(mooncake_file):
         replay(tr, opts(4, extra={"bogus": 1}))
     r = replay(tr, opts(4, policy="kvoffload.policies.lru:LRUPolicy"))
     assert r.counters["requests"] == 1
+
+
+def test_policy_sees_one_insert_and_no_touch_of_fresh_blocks(mooncake_file):
+    from kvoffload.policies import register_policy
+    from kvoffload.policies.lru import LRUPolicy
+
+    calls = []
+
+    class Recording(LRUPolicy):
+        name = "recording"
+
+        def insert(self, keys, ctx):
+            calls.append(("insert", ctx.req_id, list(keys)))
+            super().insert(keys, ctx)
+
+        def touch(self, keys, ctx):
+            calls.append(("touch", ctx.req_id, list(keys)))
+            super().touch(keys, ctx)
+
+    register_policy("recording-test", Recording)
+    tr = load_trace(mooncake_file([[1, 2], [1, 2, 3], [1, 2, 3]]), block_size=4)
+    r = replay(tr, opts(10, policy="recording-test"))
+    assert counts(r) == (0, 5, 8)
+    inserted = {}
+    for op, req, keys in calls:
+        if op == "insert":
+            assert not set(keys) & set(inserted), "a block was stored twice"
+            inserted.update(dict.fromkeys(keys, req))
+        else:  # a block is touched only by requests after the one that stored it
+            assert all(inserted.get(k) != req for k in keys)
+    assert len(inserted) == 3
+    # keys reach the policy in prefix order, head first
+    assert [k for op, req, keys in calls if op == "insert" and req == "0" for k in keys] == \
+        [h.to_bytes(8, "big") + b"\0" * 4 for h in tr.requests[0].block_hashes]
+
+
+def test_tiered_spec_serves_cpu_evictions_from_storage(mooncake_file, tmp_path):
+    from kvoffload.replay.report import summary
+
+    tr = load_trace(mooncake_file([[1, 2, 3], [4, 5, 6], [1, 2, 3]], block_size=64), block_size=64)
+    o = opts(3, extra={"storage_dir": str(tmp_path / "kv"), "storage_bytes": "1MiB"}, sync_tiers=True)
+    o.spec = "tiered"
+    r = replay(tr, o)
+    # r1 pushes 1,2,3 out of the CPU tier; r2 finds them in storage, waits
+    # for their promotion (HIT_PENDING) and loads them, bytes checked.
+    assert counts(r) == (0, 3, 9)
+    assert r.counters["offload_hit_blocks_after_pending"] == 3 and r.counters["delayed_lookups"] >= 1
+    assert r.counters["verified_blocks"] == 3 and r.counters["verify_failures"] == 0
+    tiers = summary(r)["tiers"]
+    assert set(tiers) >= {"cpu", "storage"}
+    assert tiers["cpu"]["prefix_hit_rate"] == 0 and tiers["storage"]["prefix_hit_rate"] == 3 / 9

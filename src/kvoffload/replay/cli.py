@@ -62,6 +62,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--time-compression", type=float, default=1.0, help="divide timestamps by this")
     e.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0,
                    help="prefill cost, for the time-saved estimate and the simulated clock")
+    e.add_argument("--sync-tiers", action="store_true",
+                   help="let the tiers finish cascading stores before each new request (deterministic)")
     e.add_argument("--strict", action="store_true", help="stop at the first byte mismatch")
     o = p.add_argument_group("output")
     o.add_argument("--oracle", action="store_true", help="also simulate LRU and Belady at the same capacity")
@@ -136,7 +138,7 @@ def build_options(args, trace: Trace, cpu_blocks: str | None = None):
     return EngineOptions(
         spec=spec, extra_config=extra, kv_bytes_per_token=kv, gpu_blocks=args.gpu_blocks,
         max_running=args.max_running, arrival=args.arrival, time_compression=args.time_compression,
-        prefill_tokens_per_s=args.prefill_tokens_per_s, strict=args.strict,
+        prefill_tokens_per_s=args.prefill_tokens_per_s, strict=args.strict, sync_tiers=args.sync_tiers,
         progress=not args.no_progress,
     )
 

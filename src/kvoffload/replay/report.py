@@ -112,6 +112,9 @@ def _rows(r: ReplayResult) -> list[tuple[str, str]]:
     rows = [
         ("trace", r.trace),
         ("spec / policy", f"{o['spec']} / {policy}"),
+        ("engine", f"GPU cache {o['gpu_blocks']:,} blocks, {o['max_running']} running, "
+                   f"{o['block_size']}-token blocks of {o['page_bytes']:,} B, arrival {o['arrival']}"
+                   + (f" /{o['time_compression']:g}" if o["arrival"] == "trace" else "")),
         ("requests", _fmt(s["requests"])),
         ("prompt tokens", _fmt(s["prompt_tokens"])),
         ("  from GPU cache", f"{s['tokens_from_gpu_cache']:,}"),
