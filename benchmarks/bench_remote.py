@@ -150,7 +150,8 @@ def print_bandwidth(rows: list[dict], pipeline: int) -> None:
 
 # ---- 2. two engines sharing the tier -------------------------------------------------------
 
-def two_engines(url: str, trace_path: Path, requests: int, cpu_share: float, shared: bool) -> dict:
+def two_engines(url: str, trace_path: Path, requests: int, cpu_share: float, shared: bool,
+                tier_conf: dict | None = None) -> dict:
     from kvoffload.replay.engine import EngineOptions, ReplayEngine
     from kvoffload.replay.traces import Trace, load_trace
 
@@ -163,7 +164,9 @@ def two_engines(url: str, trace_path: Path, requests: int, cpu_share: float, sha
         prefix = f"share{run_id}" if shared else f"iso{run_id}-{i}"
         opts = EngineOptions(spec="tiered", progress=False, extra_config={
             "num_cpu_chunks": cpu_blocks,
-            "secondary_tiers": [{"type": "redis", "url": url, "key_prefix": prefix}]})
+            # a deep queue: measure sharing, not the tiering manager's back-pressure on a loaded machine
+            "secondary_tiers": [{"type": "redis", "url": url, "key_prefix": prefix, "max_queue_depth": 1 << 16,
+                                 **(tier_conf or {})}]})
         engines.append(ReplayEngine(half, opts))
 
     def run(i):
@@ -192,26 +195,50 @@ def two_engines(url: str, trace_path: Path, requests: int, cpu_share: float, sha
             "block_refs": c["block_refs"], "offload_hits": c["offload_hit_blocks"],
             "remote_hits": remote.get("promoted_blocks", 0), "cpu_hits": cpu.get("hits", 0),
             "verified": c["verified_blocks"], "verify_failures": c["verify_failures"],
-            "remote_stored": remote.get("stored_blocks", 0)})
+            "remote_stored": remote.get("stored_blocks", 0), "remote_dropped": remote.get("dropped_stores", 0),
+            "delay_timeouts": c["delay_timeouts"]})
     return out
 
 
-def print_sharing(iso: dict, sh: dict, requests: int) -> None:
+def infinite_cache_rates(trace_path: Path, requests: int) -> tuple[float, float]:
+    """Prefix hit rate with an infinite cache per engine (isolated) and one
+    shared by both: the ceilings the two runs aim at."""
+    from kvoffload.replay.traces import load_trace
+
+    reqs = [r.block_hashes for r in load_trace(trace_path, limit=requests).requests]
+
+    def hits(rs):
+        seen, n = set(), 0
+        for h in rs:
+            for b in h:
+                if b not in seen:
+                    break
+                n += 1
+            seen.update(h)
+        return n
+
+    refs = sum(len(h) for h in reqs)
+    return (hits(reqs[0::2]) + hits(reqs[1::2])) / refs, hits(reqs) / refs
+
+
+def print_sharing(iso: dict, sh: dict, requests: int, ceilings: tuple[float, float]) -> None:
     print(f"\nTwo engines, {requests} requests of the Mooncake trace split round-robin, "
           f"CPU tier {iso['cpu_blocks']} blocks each, one remote tier")
-    print("| run | engine | block refs | offload prefix hits | promoted from remote | hit rate | verified |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| run | engine | block refs | offload prefix hits | promoted from remote | hit rate | verified "
+          "| stored to / dropped by remote |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in (("isolated (prefix each)", iso), ("shared (one prefix)", sh)):
         for i, e in enumerate(r["engines"]):
             print(f"| {name} | {i} | {e['block_refs']:,} | {e['offload_hits']:,} | {e['remote_hits']:,} | "
                   f"{e['offload_hits'] / max(1, e['block_refs']):.4f} | {e['verified']:,} "
-                  f"({e['verify_failures']} bad) |")
+                  f"({e['verify_failures']} bad) | {e['remote_stored']:,} / {e['remote_dropped']:,} |")
     hits_iso = sum(e["offload_hits"] for e in iso["engines"])
     hits_sh = sum(e["offload_hits"] for e in sh["engines"])
     refs = sum(e["block_refs"] for e in sh["engines"])
     print(f"cross-instance hits (shared - isolated prefix hits): {hits_sh - hits_iso:,} blocks; "
           f"fleet prefix hit rate {hits_iso / refs:.4f} isolated -> {hits_sh / refs:.4f} shared "
-          f"(x{hits_sh / max(1, hits_iso):.2f})")
+          f"(x{hits_sh / max(1, hits_iso):.2f}); infinite-cache ceilings {ceilings[0]:.4f} isolated, "
+          f"{ceilings[1]:.4f} shared")
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -236,6 +263,15 @@ def plot(rows: list[dict], path: str) -> None:
     print(f"plot: {path}")
 
 
+def _json_or_str(v: str):
+    import json
+
+    try:
+        return json.loads(v)
+    except ValueError:
+        return v
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="256KiB,1MiB,4MiB", help="value sizes")
@@ -245,6 +281,8 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=str(TRACE.resolve()))
     ap.add_argument("--requests", type=int, default=2000, help="trace requests replayed (12031: all)")
     ap.add_argument("--cpu-share", type=float, default=0.05, help="CPU tier per engine, share of unique blocks")
+    ap.add_argument("--tier", action="append", default=[], metavar="KEY=VALUE",
+                    help="remote tier setting for the replay, e.g. miss_cache_s=2 (VALUE as JSON)")
     ap.add_argument("--skip-bandwidth", action="store_true")
     ap.add_argument("--skip-replay", action="store_true")
     ap.add_argument("--plot", help="write a PNG of the bandwidth table here")
@@ -262,12 +300,13 @@ def main(argv=None) -> int:
         if not args.skip_replay:
             from tqdm import tqdm
 
+            conf = {k: _json_or_str(v) for k, v in (kv.split("=", 1) for kv in args.tier)}
             with tqdm(total=2, desc="two-engine replay", unit="run") as bar:
-                iso = two_engines(srv.url, Path(args.trace), args.requests, args.cpu_share, shared=False)
+                iso = two_engines(srv.url, Path(args.trace), args.requests, args.cpu_share, False, conf)
                 bar.update()
-                sh = two_engines(srv.url, Path(args.trace), args.requests, args.cpu_share, shared=True)
+                sh = two_engines(srv.url, Path(args.trace), args.requests, args.cpu_share, True, conf)
                 bar.update()
-            print_sharing(iso, sh, args.requests)
+            print_sharing(iso, sh, args.requests, infinite_cache_rates(Path(args.trace), args.requests))
     return 0
 
 

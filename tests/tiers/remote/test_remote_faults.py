@@ -19,7 +19,7 @@ from remote_helpers import CTX, fill, keys_for, load, lookup, make_tier, store, 
 pytestmark = pytest.mark.redis
 
 FAST_FAIL = dict(connect_timeout_s=0.5, socket_timeout_s=0.5, backoff_initial_s=0.02, backoff_max_s=0.2,
-                 lookup_cache_s=0.05)
+                 lookup_cache_s=0.05, miss_cache_s=0.05)
 
 
 def _engine_step(m, w, pool, i: int, prev_keys):

@@ -59,7 +59,7 @@ def test_unknown_key_retry_then_miss(redis_server, prefix):
 def test_another_engine_sees_stores_after_check(redis_server, prefix):
     """Engine B asked before A stored (cached MISS); once the cache expires B sees A's block."""
     a = make_tier(redis_server.url, prefix)
-    b = make_tier(redis_server.url, prefix, lookup_cache_s=0.05)
+    b = make_tier(redis_server.url, prefix, miss_cache_s=0.05)
     try:
         key = keys_for(1, seed=5)
         assert lookup(b[1], key[0]) is MISS

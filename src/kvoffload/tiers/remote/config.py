@@ -26,7 +26,8 @@ class RemoteConfig:
     connect_timeout_s: float = 1.0
     socket_timeout_s: float = 2.0  # per socket operation, bounds every network wait
     ttl_s: int | None = None  # SET ... EX ttl_s; None leaves expiry to the server
-    lookup_cache_s: float = 2.0  # how long an existence answer is trusted
+    lookup_cache_s: float = 2.0  # how long a "present" answer is trusted
+    miss_cache_s: float = 0.25  # how long an "absent" answer is trusted (short: other engines store)
     lookup_coalesce_s: float = 0.002  # wait this long to batch lookups before a check
     io_threads: int = 1  # data connections (one thread each)
     batch_bytes: int = 32 << 20  # bytes per pipelined GET/SET round
@@ -53,7 +54,7 @@ class RemoteConfig:
         for key in ("cluster", "tls_verify"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"remote.{key} must be true or false, got {getattr(self, key)!r}")
-        for key in ("connect_timeout_s", "socket_timeout_s", "lookup_cache_s", "lookup_coalesce_s",
+        for key in ("connect_timeout_s", "socket_timeout_s", "lookup_cache_s", "miss_cache_s", "lookup_coalesce_s",
                     "backoff_initial_s", "backoff_max_s"):
             positive_number(getattr(self, key), f"remote.{key}")
         if self.ttl_s is not None:

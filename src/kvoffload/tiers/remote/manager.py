@@ -2,7 +2,8 @@
 
 The server, not this process, decides what is held (other engines store,
 maxmemory evicts, TTLs expire), so the manager keeps only short-lived
-answers: keys known present or absent (each trusted for lookup_cache_s),
+answers: keys known present (trusted for lookup_cache_s) or absent (for
+the shorter miss_cache_s, so blocks other engines store show up soon),
 keys whose existence check is in flight, and keys this process is
 storing. It never waits on the network: an unknown key is queued for the
 background checker and answered RETRY.
@@ -49,7 +50,7 @@ class RemoteOffloadingManager(OffloadingManager):
         self._keyspace = keyspace
         self._cfg = cfg
         self._state = state
-        # key -> monotonic expiry; insertion order is expiry order (same TTL for all)
+        # key -> monotonic expiry; insertion order is expiry order (one TTL per dict)
         self._present: OrderedDict[bytes, float] = OrderedDict()
         self._absent: OrderedDict[bytes, float] = OrderedDict()
         self._checking: set[bytes] = set()
@@ -68,17 +69,20 @@ class RemoteOffloadingManager(OffloadingManager):
         now = time.monotonic()
         results, gone = self._results, self._gone
         if results or gone:
-            expiry = now + self._cfg.lookup_cache_s
+            hit_exp, miss_exp = now + self._cfg.lookup_cache_s, now + self._cfg.miss_cache_s
             while results:
                 key, present = results.popleft()
                 self._checking.discard(key)
                 if present is None:  # not asked (server down): no answer to cache
                     continue
-                self._remember(self._present if present else self._absent, key, expiry)
+                if present:
+                    self._remember(self._present, key, hit_exp)
+                else:
+                    self._remember(self._absent, key, miss_exp)
             while gone:
                 key = gone.popleft()
                 self._present.pop(key, None)
-                self._remember(self._absent, key, expiry)
+                self._remember(self._absent, key, miss_exp)
         if now >= self._next_prune:  # memory only: lookups check expiry themselves
             self._next_prune = now + PRUNE_EVERY_S
             for d in (self._present, self._absent):
