@@ -281,3 +281,33 @@ def test_rejects_bad_kv_caches():
         CPUOffloadingWorker(random_kv_caches(4, [64])[1], config([32], tokens_per_hash=16), 2)
     with pytest.raises(ValueError, match="no pages"):
         CPUOffloadingWorker(make_kv_caches([], [[]]), cfg, 2)
+
+
+def test_zero_chunks_refused():
+    with pytest.raises(ValueError, match="host pool"):
+        CPUOffloadingWorker(random_kv_caches(4, [64])[1], config([16]), 0)
+
+
+def test_concurrent_submitters(worker_factory):
+    tensors, kv = random_kv_caches(64, [1024, 2048])
+    w = worker_factory(kv, config([16]), 64)
+    orig = [t.clone() for t in tensors]
+
+    def submit(base):
+        for j in range(16):
+            b = base * 16 + j
+            assert w.submit_store(b, GPULoadStoreSpec([b]), CPULoadStoreSpec([63 - b]))
+
+    threads = [threading.Thread(target=submit, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    w.wait(set(range(64)))
+    assert sorted(r.job_id for r in w.get_finished()) == list(range(64))
+    for t in tensors:
+        t.zero_()
+    assert w.submit_load(100, CPULoadStoreSpec([63 - b for b in range(64)]), GPULoadStoreSpec(range(64)))
+    w.wait({100})
+    assert all(r.success for r in w.get_finished())
+    assert all(torch.equal(a, b) for a, b in zip(orig, tensors))

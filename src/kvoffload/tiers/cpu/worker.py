@@ -180,7 +180,11 @@ class CPUOffloadingWorker(OffloadingWorker):
         self.use_cuda = self.device.type == "cuda"
         self._pieces = [_group_pieces(kv_caches, self.layout, g) for g in range(len(self.layout))]
         self._block_factor = [config.gpu_blocks_per_chunk(g) for g in range(len(self.layout))]
-        self.pool = HostPool(num_chunks, self.chunk_bytes)
+        try:
+            self.pool = HostPool(num_chunks, self.chunk_bytes)
+        except (OSError, ValueError, OverflowError) as e:
+            raise ValueError(f"cannot allocate a host pool of {num_chunks} chunks x {self.chunk_bytes} "
+                             f"bytes: {e}") from None
         self.num_chunks = num_chunks
         self.last_error: str | None = None
         self._closed = False
@@ -266,30 +270,30 @@ class CPUOffloadingWorker(OffloadingWorker):
         return self._submit(job_id, LOAD, dst_spec, src_spec)
 
     def _submit(self, job_id: int, direction: str, gpu, cpu) -> bool:
-        with self._lock:
-            if self._closed:
-                self.last_error = "worker is shut down"
-                return False
-            if job_id in self._in_flight:
-                self.last_error = f"job {job_id} is already in flight"
-                logger.warning("refused %s job: %s", direction, self.last_error)
-                return False
         try:
             groups = self._check(gpu, cpu)
         except ValueError as e:
-            self.last_error = f"job {job_id}: {e}"
-            logger.warning("refused %s job: %s", direction, self.last_error)
-            return False
+            return self._refuse(direction, f"job {job_id}: {e}")
         with self._lock:
+            if self._closed:
+                return self._refuse(direction, "worker is shut down")
+            if job_id in self._in_flight:
+                return self._refuse(direction, f"job {job_id} is already in flight")
             self._in_flight.add(job_id)
+            if not self.use_cuda:  # under the lock: never behind shutdown's sentinel
+                self._queue.put((job_id, direction, groups))
         if self.use_cuda:
             self._launch_cuda(self._plan(job_id, direction, groups))
         else:
-            self._queue.put((job_id, direction, groups))
             # Let the copier (which needs the GIL between its memmoves) run
             # now, rather than after a 5 ms forced switch if we keep the GIL.
             time.sleep(0)
         return True
+
+    def _refuse(self, direction: str, why: str) -> bool:
+        self.last_error = why
+        logger.warning("refused %s job: %s", direction, why)
+        return False
 
     def get_finished(self) -> list[TransferResult]:
         if self.use_cuda:
