@@ -167,3 +167,27 @@ def test_events_only_when_enabled(redis_server, prefix):
     finally:
         tier.shutdown()
         on.shutdown()
+
+
+def test_one_retry_checks_the_whole_prefix(redis_server, prefix):
+    """The scheduler stops at the first non-HIT; the request's key positions
+    let the first RETRY check every later block too (one round trip)."""
+    from kvoffload.abstractions import ReqContext
+
+    tier, m, w, pool = make_tier(redis_server.url, prefix)
+    try:
+        keys = keys_for(12, seed=14)
+        assert store(m, w, keys[:8], list(range(8)))
+        m.reset_cache()
+        ctx = ReqContext("prefix")
+        for i, k in enumerate(keys):
+            ctx.set_offload_key_position(k, (i + 1) * 16)
+        assert m.lookup(keys[0], ctx) is RETRY
+        m.get_stats()
+        while m.has_pending_work():
+            m.on_schedule_end(None)
+        answers = [m.lookup(k, ctx) for k in keys]
+        assert answers == [HIT] * 8 + [MISS] * 4
+        assert m.get_stats().counters.get("retries", 0) == 0
+    finally:
+        tier.shutdown()

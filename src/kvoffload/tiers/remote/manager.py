@@ -136,11 +136,13 @@ class RemoteOffloadingManager(OffloadingManager):
         pos = positions.get(key)
         if pos is None:
             return
-        known = (self._present, self._absent, self._checking, self._storing)
+        now, present, absent = _now(), self._present, self._absent
+        checking, storing, ask = self._checking, self._storing, self._checker.ask
         for k, p in positions.items():
-            if p > pos and not any(k in d for d in known):
-                self._checking.add(k)
-                self._checker.ask(k)
+            if (p > pos and present.get(k, 0.0) <= now and absent.get(k, 0.0) <= now
+                    and k not in checking and k not in storing):
+                checking.add(k)
+                ask(k)
 
     def prefetch(self, keys: Iterable[OffloadKey]) -> None:
         """Start existence checks for keys without a fresh answer, so a
@@ -149,8 +151,10 @@ class RemoteOffloadingManager(OffloadingManager):
         self._drain()
         if not self._state.backoff.available():
             return
+        now = _now()
         for key in keys:
-            if key not in self._present and key not in self._absent and key not in self._checking:
+            if (self._present.get(key, 0.0) <= now and self._absent.get(key, 0.0) <= now
+                    and key not in self._checking and key not in self._storing):
                 self._checking.add(key)
                 self._checker.ask(key)
 
