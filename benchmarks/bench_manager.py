@@ -3,13 +3,12 @@ lifecycle, ours against vLLM 0.33's own CPUOffloadingManager, same stream.
 
 Stream (seeded): requests made of a shared document prefix (Zipf popularity)
 plus a fresh suffix, or the next turn of an earlier conversation (its whole
-history plus new blocks). Per request, each manager is driven the way its
-scheduler drives it:
+history plus new blocks). Both managers are driven identically, the way
+vLLM 0.33's scheduler drives its manager (it never calls touch: recency is
+committed in on_request_finished, by both):
     on_new_request
     lookup() each key until the first miss
-    prepare_load(hits) -> complete_load(hits)   (+ touch(hits) for ours:
-                                                 vLLM 0.33 moved recency into
-                                                 on_request_finished)
+    prepare_load(hits) -> complete_load(set(hits))
     prepare_store(the rest) in steps of --step-blocks blocks; each step's
         complete_store(set(keys_to_store)) arrives --lag steps later
     on_request_finished
@@ -85,7 +84,7 @@ def load_requests(path: str) -> list[list[bytes]]:
     return [[key_of[b] for b in flat[offsets[i]: offsets[i + 1]]] for i in range(len(offsets) - 1)]
 
 
-def run(manager, ReqContext, HIT, requests, step_blocks: int, lag: int, touch: bool, progress: bool) -> dict:
+def run(manager, ReqContext, HIT, requests, step_blocks: int, lag: int, progress: bool) -> dict:
     """Drive one manager through the stream; returns timings and counts."""
     import gc
 
@@ -104,7 +103,7 @@ def run(manager, ReqContext, HIT, requests, step_blocks: int, lag: int, touch: b
         bar = tqdm(total=n_blocks, unit="blk", unit_scale=True, mininterval=0.5, leave=False, file=sys.stderr)
     m = manager
     lookup, prepare_load, complete_load = m.lookup, m.prepare_load, m.complete_load
-    prepare_store, complete_store, m_touch = m.prepare_store, m.complete_store, m.touch
+    prepare_store, complete_store = m.prepare_store, m.complete_store
     hits = stored = failed = evicted = 0
     inflight: list[tuple[set, object]] = []  # (keys, ctx) of stores not yet completed
     shown = 0
@@ -120,8 +119,6 @@ def run(manager, ReqContext, HIT, requests, step_blocks: int, lag: int, touch: b
             n_hit += 1
         if n_hit:
             hit_keys = keys[:n_hit]
-            if touch:
-                m_touch(hit_keys, ctx)
             prepare_load(hit_keys, ctx)
             complete_load(set(hit_keys), ctx)
             hits += n_hit
@@ -158,7 +155,7 @@ def run_ours(policy: str, requests, args) -> dict:
     from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 
     m = CPUOffloadingManager(args.capacity, policy)
-    return run(m, ReqContext, LookupResult.HIT, requests, args.step_blocks, args.lag, True, not args.no_progress)
+    return run(m, ReqContext, LookupResult.HIT, requests, args.step_blocks, args.lag, not args.no_progress)
 
 
 def run_vllm(policy: str, requests, args) -> dict:
@@ -166,7 +163,7 @@ def run_vllm(policy: str, requests, args) -> dict:
     from vllm.v1.kv_offload.cpu.manager import CPUOffloadingManager
 
     m = CPUOffloadingManager(num_chunks=args.capacity, cache_policy=policy)
-    return run(m, ReqContext, LookupResult.HIT, requests, args.step_blocks, args.lag, False, not args.no_progress)
+    return run(m, ReqContext, LookupResult.HIT, requests, args.step_blocks, args.lag, not args.no_progress)
 
 
 def serve_vllm(args) -> None:
@@ -193,6 +190,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="runs per side and policy; the best counts")
     ap.add_argument("--vllm-python", help="python of a venv with vLLM 0.33 (omit to time ours only)")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--plot", help="also draw a bar chart (PNG) here")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--serve-vllm", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--stream", help=argparse.SUPPRESS)
@@ -244,6 +242,33 @@ def main() -> None:
             proc.wait()
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
+    if args.plot:
+        plot(results, args.plot, f"{args.blocks} blocks, capacity {args.capacity} chunks")
+
+
+def plot(results: dict, path: str, subtitle: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    policies = list(results)
+    x = np.arange(len(policies))
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    ours = [results[p]["ours"]["us_per_block"] for p in policies]
+    ax.bar(x - 0.2, ours, 0.4, label="kvoffload")
+    if all("vllm" in results[p] for p in policies):
+        ref = [results[p]["vllm"]["us_per_block"] for p in policies]
+        ax.bar(x + 0.2, ref, 0.4, label="vLLM 0.33")
+        for i, p in enumerate(policies):
+            ax.text(x[i], max(ours[i], ref[i]) * 1.03, f"ours/vLLM {results[p]['ratio']:.2f}", ha="center")
+        ax.set_ylim(0, max(ours + ref) * 1.2)
+    ax.set_xticks(x, policies)
+    ax.set_ylabel("CPU us per block (lower is better)")
+    ax.set_title(f"Manager overhead, full lifecycle\n{subtitle}", fontsize=9)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 if __name__ == "__main__":

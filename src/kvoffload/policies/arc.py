@@ -75,6 +75,17 @@ class ARCPolicy(EvictionPolicy):
             else:
                 t2[k] = None
 
+    def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        # Re-rank within the key's own list: storing is not a second use.
+        t1, t2 = self.t1, self.t2
+        move1, move2 = t1.move_to_end, t2.move_to_end
+        for k in reversed(keys):
+            try:
+                move1(k)
+            except KeyError:
+                if k in t2:
+                    move2(k)
+
     def remove(self, key: bytes) -> None:
         if key in self.t1:
             del self.t1[key]

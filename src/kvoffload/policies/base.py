@@ -34,6 +34,12 @@ class EvictionPolicy(ABC):
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         """Mark keys recently used (prefix order); unknown keys are ignored."""
 
+    def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        """Re-rank keys (prefix order) as most recent without counting a use:
+        the manager calls it when a request that stored them finishes, so a
+        request's batches end up tail-oldest. Default: nothing (a policy
+        that counts uses must not see this as one)."""
+
     @abstractmethod
     def remove(self, key: bytes) -> None:
         """Stop tracking a key (no-op if unknown)."""

@@ -30,6 +30,8 @@ class LRUPolicy(EvictionPolicy):
             except KeyError:
                 pass
 
+    refresh = touch  # recency is all LRU knows
+
     def remove(self, key: bytes) -> None:
         self._order.pop(key, None)
 

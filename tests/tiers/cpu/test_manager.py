@@ -299,3 +299,63 @@ def test_reset_cache_drops_arc_history():
     assert K(5) in m.policy and len(m.policy) == 1
     m.complete_load(keys(5), None)
     assert m.prepare_store(keys(7, 8, 9, 10), None).evicted_keys == keys(5)
+
+
+def _req(name, ks):
+    ctx = ReqContext(name)
+    for pos, k in enumerate(ks):
+        ctx.set_offload_key_position(k, (pos + 1) * 16)
+    return ctx
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_request_stored_in_batches_loses_its_tail_first(policy):
+    m = CPUOffloadingManager(6, policy)
+    ks = keys(1, 2, 3, 4, 5, 6)
+    ctx = _req("a", ks)
+    m.on_new_request(ctx)
+    for batch in (ks[:2], ks[2:4], ks[4:]):  # head first, as a prefill proceeds
+        out = m.prepare_store(batch, ctx)
+        m.complete_store(set(out.keys_to_store), ctx)
+    m.on_request_finished(ctx)
+    assert m.prepare_store(keys(7, 8, 9), None).evicted_keys == keys(6, 5, 4)
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_finished_request_commits_reuse_of_loaded_keys(policy):
+    m = CPUOffloadingManager(4, policy)
+    store(m, keys(1, 2))  # an older request's prefix
+    store(m, keys(3, 4))  # a newer, unrelated one
+    ctx = _req("b", keys(1, 2))
+    m.on_new_request(ctx)
+    m.prepare_load(keys(1, 2), ctx)
+    m.complete_load(keys(1, 2), ctx)
+    m.on_request_finished(ctx)  # 1, 2 reused: now the most recent
+    assert m.prepare_store(keys(5, 6), None).evicted_keys == keys(4, 3)
+
+
+def test_arc_finish_does_not_count_a_store_as_a_use():
+    m = CPUOffloadingManager(8, "arc")
+    ctx = _req("a", keys(1, 2, 3))
+    m.prepare_load([], ctx)
+    m.prepare_store(keys(1, 2, 3), ctx)
+    m.complete_store(keys(1, 2, 3), ctx)
+    m.on_request_finished(ctx)
+    assert list(m.policy.t2) == [] and set(m.policy.t1) == set(keys(1, 2, 3))
+    ctx = _req("b", keys(1, 2))
+    m.prepare_load(keys(1, 2), ctx)
+    m.complete_load(keys(1, 2), ctx)
+    m.on_request_finished(ctx)
+    assert list(m.policy.t2) == keys(2, 1)  # reused: promoted, head most recent
+
+
+def test_late_completion_after_finish_and_shared_contexts():
+    a, b = CPUOffloadingManager(4), CPUOffloadingManager(4, "arc")
+    ctx = _req("a", keys(1, 2))
+    for m in (a, b):
+        m.prepare_store(keys(1, 2), ctx)
+    for m in (a, b):
+        m.on_request_finished(ctx)
+        m.complete_store(keys(1, 2), ctx)  # a completion may arrive after the finish
+        m.on_request_finished(ctx)  # twice is harmless
+        assert m.lookup(K(1), ctx) is LookupResult.HIT and len(m.policy) == 2

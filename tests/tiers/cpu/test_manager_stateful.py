@@ -35,11 +35,20 @@ class ManagerMachine(RuleBasedStateMachine):
         self.stores: list[list[bytes]] = []  # keys_to_store of stores in flight
         self.done_stores: list[list[bytes]] = []
         self.loads: list[list[bytes]] = []  # loads in flight
+        self.ctx = self.new_request()
+
+    def new_request(self) -> ReqContext:
         # positions for some keys only: both prefix_order paths get exercised
-        self.ctx = ReqContext("r")
+        ctx = ReqContext("r")
         for i, k in enumerate(KEYS):
             if i % 3:
-                self.ctx.set_offload_key_position(k, (len(KEYS) - i) * 16)
+                ctx.set_offload_key_position(k, (len(KEYS) - i) * 16)
+        return ctx
+
+    @rule()
+    def finish_request(self):
+        self.m.on_request_finished(self.ctx)  # re-ranks, never adds or drops keys
+        self.ctx = self.new_request()
 
     def snapshot(self):
         m = self.m
@@ -48,13 +57,13 @@ class ManagerMachine(RuleBasedStateMachine):
     def evictable(self, exclude):
         return [k for k, s in self.state.items() if s == "ready" and not self.pins[k] and k not in exclude]
 
-    @rule(keys=key_lists)
-    def prepare_store(self, keys):
+    @rule(keys=key_lists, with_ctx=st.booleans())
+    def prepare_store(self, keys, with_ctx):
         new = list(dict.fromkeys(k for k in keys if k not in self.state))
         need = len(new) - (CAPACITY - len(self.state))
         fits = need <= len(self.evictable(set(keys)))
         before = self.snapshot()
-        out = self.m.prepare_store(keys, None)
+        out = self.m.prepare_store(keys, self.ctx if with_ctx else None)
         assert (out is not None) == fits, (keys, self.state, self.pins)
         if out is None:
             assert self.snapshot() == before
@@ -94,13 +103,13 @@ class ManagerMachine(RuleBasedStateMachine):
             self.m.complete_store(keys, None, success=success)
         assert self.snapshot() == before
 
-    @rule(picked=st.lists(picks, min_size=1, max_size=3))
-    def prepare_load(self, picked):
+    @rule(picked=st.lists(picks, min_size=1, max_size=3), with_ctx=st.booleans())
+    def prepare_load(self, picked, with_ctx):
         ready = sorted(k for k, s in self.state.items() if s == "ready")
         if not ready:
             return
         keys = [ready[i % len(ready)] for i in picked]
-        spec = self.m.prepare_load(keys, None)
+        spec = self.m.prepare_load(keys, self.ctx if with_ctx else None)
         assert spec.block_ids.tolist() == [self.m.slot_of(k) for k in keys]
         self.pins.update(keys)
         self.loads.append(keys)

@@ -9,6 +9,12 @@ plus a dict key -> slot and a free list of slots. No per-block objects.
 A key enters the eviction policy when its store completes, so the policy
 only ever sees readable keys; pending writes can never be picked.
 
+Recency is per request, as in vLLM 0.33 (whose scheduler never calls
+touch): the keys a request loaded (reused) and stored are recorded on its
+ReqContext and re-ranked once in on_request_finished, head most recent, so a
+request's tail is evicted before its head even when its stores arrived in
+several batches. touch() still works for callers that use it.
+
 Other slot-based tiers (storage) reuse this class and override _make_spec.
 """
 
@@ -35,6 +41,7 @@ from kvoffload.keys import GROUP_BYTES, check_key
 from kvoffload.policies import get_policy_class
 
 PENDING = -1
+_FINISHED = ([], [])  # request record after on_request_finished: record nothing more
 _HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 _NO_POSITION = float("inf")
 
@@ -103,6 +110,16 @@ class CPUOffloadingManager(OffloadingManager):
         self._stored = self._loaded = self._evictions = 0
         self._allocation_failures = self._dropped = 0
 
+    def _record(self, ctx: ReqContext | None) -> tuple[list[bytes], list[bytes]] | None:
+        """This request's (reused, stored) key lists, kept on its context
+        under this manager (several managers may share one context)."""
+        if ctx is None:
+            return None
+        rec = ctx._state.get(self)  # _state: ReqContext's scratch dict, read directly (hot path)
+        if rec is None:
+            rec = ctx._state[self] = ([], [])
+        return None if rec is _FINISHED else rec
+
     # ---- the spec a worker reads; storage tiers override --------------------
 
     def _make_spec(self, slot_ids: list[int]) -> LoadStoreSpec:
@@ -153,6 +170,9 @@ class CPUOffloadingManager(OffloadingManager):
                 newly_pinned += 1
             state[s] = v + 1
         self._num_pinned += newly_pinned
+        rec = self._record(req_context)
+        if rec is not None:
+            rec[0].extend(keys)
         return self._make_spec(slots)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
@@ -259,6 +279,9 @@ class CPUOffloadingManager(OffloadingManager):
             for k in pending:
                 state[slot_of[k]] = 0
             self.policy.insert(prefix_order(pending, req_context), req_context)
+            rec = self._record(req_context)
+            if rec is not None:
+                rec[1].extend(pending)
             self._stored += len(pending)
             if self._events is not None:
                 self._events.append(OffloadingEvent(pending, self.medium, False, self.locality))
@@ -274,6 +297,21 @@ class CPUOffloadingManager(OffloadingManager):
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """Commit the request's recency: stored keys re-ranked (no use
+        counted), then reused keys touched, each head most recent, so the
+        request ends newest-first from its head. Keys gone since are skipped."""
+        state = req_context._state
+        rec = state.get(self)
+        state[self] = _FINISHED
+        if rec is None or rec is _FINISHED:
+            return
+        reused, stored = rec
+        if stored:
+            self.policy.refresh(prefix_order(stored, req_context), req_context)
+        if reused:
+            self.policy.touch(prefix_order(reused, req_context), req_context)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if not self._events:
