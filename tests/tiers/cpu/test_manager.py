@@ -359,3 +359,14 @@ def test_late_completion_after_finish_and_shared_contexts():
         m.complete_store(keys(1, 2), ctx)  # a completion may arrive after the finish
         m.on_request_finished(ctx)  # twice is harmless
         assert m.lookup(K(1), ctx) is LookupResult.HIT and len(m.policy) == 2
+
+
+def test_reading_back_own_stores_is_not_a_reuse():
+    m = CPUOffloadingManager(8, "arc")
+    ctx = _req("a", keys(1, 2))
+    out = m.prepare_store(keys(1, 2), ctx)
+    m.complete_store(out.keys_to_store, ctx)
+    m.prepare_load(keys(1, 2), ctx)  # e.g. a cascade copying them to a lower tier
+    m.complete_load(keys(1, 2), ctx)
+    m.on_request_finished(ctx)
+    assert not m.policy.t2

@@ -308,6 +308,11 @@ class CPUOffloadingManager(OffloadingManager):
         if rec is None or rec is _FINISHED:
             return
         reused, stored = rec
+        if reused and stored:
+            # Reading back what this request stored (a cascade to a lower
+            # tier, a promotion) is an internal transfer, not a reuse.
+            own = set(stored)
+            reused = [k for k in reused if k not in own]
         if stored:
             self.policy.refresh(prefix_order(stored, req_context), req_context)
         if reused:
