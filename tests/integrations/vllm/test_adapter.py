@@ -166,6 +166,18 @@ def test_manager_speaks_vllm_types_end_to_end():
     m.on_request_finished(c)
 
 
+def test_version_specific_manager_features():
+    """0.33 adds a lock and per-source hit accounting; 0.32 has neither."""
+    spec = KVOffloadingSpec(vllm_config({"num_cpu_chunks": 4}, engine_id="features"))
+    m = spec.get_manager()
+    if hasattr(vbase.OffloadingManager, "lock"):
+        with m.lock:
+            assert m.lookup(key(1), ctx()) is vbase.LookupResult.MISS
+    if hasattr(vbase.OffloadingManager, "get_load_source"):
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+        assert m.get_load_source(key(1), ctx()) is CacheHitSource.HOST
+
+
 def test_request_context_is_converted_once_and_shares_key_positions():
     spec = KVOffloadingSpec(vllm_config({"num_cpu_chunks": 4}, engine_id="ctx"))
     m = spec.get_manager()

@@ -38,8 +38,11 @@ def offloading_config(vconfig: Any, spec_keys: tuple[str, ...] = ()) -> Offloadi
              if k not in VLLM_OWNED_KEYS and k != SPEC_KEY}
     bpc = vconfig.cache.blocks_per_chunk
     sizes = ("kv_bytes_per_chunk", "kv_bytes_per_token", "num_cpu_chunks")
+    # vLLM's bytes per block span all groups; ours are per chunk of one group,
+    # so they agree only for one group (else the worker, if in this process,
+    # measures it, or the user declares it).
     if ("kv_bytes_per_chunk" in spec_keys and not any(k in extra for k in sizes)
-            and vconfig.worker_kv_bytes_per_block > 0):
+            and len(vconfig.groups) == 1 and vconfig.worker_kv_bytes_per_block > 0):
         extra["kv_bytes_per_chunk"] = vconfig.worker_kv_bytes_per_block * bpc
     if "namespace" in spec_keys:
         ns = dict(extra.get("namespace") or {})
