@@ -11,7 +11,7 @@ committed in on_request_finished, by both):
     prepare_load(hits) -> complete_load(set(hits))
     prepare_store(the rest) in steps of --step-blocks blocks; each step's
         complete_store(set(keys_to_store)) arrives --lag steps later
-    on_request_finished
+    on_request_finished once its last store has landed
 Every key's end-token position is set on the request context, as vLLM's
 scheduler does. Only manager calls run inside the timed loop; keys and
 contexts are built beforehand. The figure is the timed loop's thread CPU
@@ -105,8 +105,17 @@ def run(manager, ReqContext, HIT, requests, step_blocks: int, lag: int, progress
     lookup, prepare_load, complete_load = m.lookup, m.prepare_load, m.complete_load
     prepare_store, complete_store = m.prepare_store, m.complete_store
     hits = stored = failed = evicted = 0
-    inflight: list[tuple[set, object]] = []  # (keys, ctx) of stores not yet completed
+    inflight: list[tuple[set, int]] = []  # (keys, request) of stores not yet completed
+    open_stores = [0] * len(requests)  # stores in flight per request
     shown = 0
+
+    def complete_oldest() -> None:
+        done_keys, j = inflight.pop(0)
+        complete_store(done_keys, ctxs[j])
+        open_stores[j] -= 1
+        if open_stores[j] == 0:  # its last store landed; a request outlives its prefill
+            m.on_request_finished(ctxs[j])
+
     gc.collect()
     gc.freeze()  # setup objects out of the collector's way, as vLLM does after start-up
     t0, c0 = time.perf_counter(), time.thread_time()
@@ -122,6 +131,7 @@ def run(manager, ReqContext, HIT, requests, step_blocks: int, lag: int, progress
             prepare_load(hit_keys, ctx)
             complete_load(set(hit_keys), ctx)
             hits += n_hit
+        open_stores[i] = 1  # held open until all its store steps were submitted
         for s in range(n_hit, len(keys), step_blocks):
             out = prepare_store(keys[s: s + step_blocks], ctx)
             if out is None:
@@ -129,16 +139,18 @@ def run(manager, ReqContext, HIT, requests, step_blocks: int, lag: int, progress
             elif out.keys_to_store:
                 evicted += len(out.evicted_keys)
                 stored += len(out.keys_to_store)
-                inflight.append((set(out.keys_to_store), ctx))
+                inflight.append((set(out.keys_to_store), i))
+                open_stores[i] += 1
             while len(inflight) > lag:
-                done_keys, done_ctx = inflight.pop(0)
-                complete_store(done_keys, done_ctx)
-        m.on_request_finished(ctx)
+                complete_oldest()
+        open_stores[i] -= 1
+        if open_stores[i] == 0:
+            m.on_request_finished(ctx)
         if bar is not None and i % 64 == 0:
             bar.update(cum[i + 1] - shown)
             shown = cum[i + 1]
-    for done_keys, done_ctx in inflight:
-        complete_store(done_keys, done_ctx)
+    while inflight:
+        complete_oldest()
     elapsed, cpu = time.perf_counter() - t0, time.thread_time() - c0
     gc.unfreeze()
     if bar is not None:
