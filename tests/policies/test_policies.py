@@ -172,3 +172,44 @@ def test_arc_ghosts_stay_bounded_over_a_long_run():
         assert len(p.t1) + len(p.b1) <= 8
         assert len(p) + len(p.b1) + len(p.b2) <= 16
         assert 0 <= p.p <= 8
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+ops = st.lists(st.tuples(st.sampled_from(["insert", "touch", "refresh", "evict", "remove"]),
+                         st.lists(st.integers(0, 15), min_size=1, max_size=4),
+                         st.frozensets(st.integers(0, 15), max_size=6)), max_size=40)
+
+
+@pytest.mark.parametrize("cls", [LRUPolicy, ARCPolicy])
+@settings(max_examples=150, deadline=None)
+@given(ops=ops)
+def test_policy_evict_contract_under_random_use(cls, ops):
+    p = cls(6)
+    held: set[bytes] = set()
+    for op, ids, pinned in ops:
+        ids = list(dict.fromkeys(ids))
+        if op == "insert":
+            new = [K(i) for i in ids if K(i) not in held][: 6 - len(held)]
+            p.insert(new, None)
+            held.update(new)
+        elif op in ("touch", "refresh"):
+            getattr(p, op)([K(i) for i in ids], None)
+        elif op == "remove":
+            for i in ids:
+                p.remove(K(i))
+                held.discard(K(i))
+        else:
+            blocked = {K(i) for i in pinned}
+            before = copy.deepcopy(p.__dict__)
+            n = len(ids)
+            victims = p.evict(n, lambda k: k not in blocked)
+            if victims is None:
+                assert len(held - blocked) < n
+                assert p.__dict__ == before
+            else:
+                assert len(victims) == n == len(set(victims))
+                assert set(victims) <= held - blocked
+                held -= set(victims)
+        assert len(p) == len(held) and all(k in p for k in held)
