@@ -82,3 +82,19 @@ def test_raw_get_never_serves_wrong_bytes(redis_server, sizes, data):
                 assert s == resp.OK and bytes(dsts[i]) == payloads[i]
     finally:
         rc.close()
+
+
+def test_value_evicted_after_lookup_is_a_miss(redis_server, prefix):
+    """The server dropped the value (eviction, TTL, flush) after we learned it was there."""
+    tier, m, w, pool = make_tier(redis_server.url, prefix, num_chunks=8, chunk_bytes=8192)
+    try:
+        keys = keys_for(2, seed=21)
+        assert store(m, w, keys, [0, 1])
+        redis.Redis.from_url(redis_server.url).delete(tier.keyspace.redis_key(keys[0]))
+        assert lookup(m, keys[0]) is LookupResult.HIT  # cached answer
+        assert not load(m, w, keys, [2, 3])
+        c = m.get_stats().counters
+        assert c["load_misses"] == 1 and c.get("checksum_failures", 0) == 0
+        assert lookup(m, keys[0]) is LookupResult.MISS
+    finally:
+        tier.shutdown()
