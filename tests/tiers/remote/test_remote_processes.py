@@ -12,7 +12,7 @@ from pathlib import Path
 from kvoffload.abstractions import LookupResult
 from remote_helpers import keys_for, lookup, make_tier
 
-pytestmark = pytest.mark.redis
+pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 PROC = Path(__file__).with_name("remote_engine_proc.py")
 

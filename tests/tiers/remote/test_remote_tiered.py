@@ -38,6 +38,7 @@ def test_unknown_key_in_tier_entry_names_it(redis_server):
         build_spec("tiered", cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_replay_survives_server_kill_and_resumes(fresh_server, prefix):
     """Kill the server mid-replay: the replay finishes (misses, dropped
