@@ -284,10 +284,6 @@ class CPUOffloadingWorker(OffloadingWorker):
                 self._queue.put((job_id, direction, groups))
         if self.use_cuda:
             self._launch_cuda(self._plan(job_id, direction, groups))
-        else:
-            # Let the copier (which needs the GIL between its memmoves) run
-            # now, rather than after a 5 ms forced switch if we keep the GIL.
-            time.sleep(0)
         return True
 
     def _refuse(self, direction: str, why: str) -> bool:
