@@ -186,6 +186,23 @@ def run_replay(args) -> dict:
     return {"replay": rows, "max_queue_depth": args.max_queue_depth, "cpu_blocks": cpu, "unique_blocks": unique, "requests": len(trace.requests)}
 
 
+def _leading_hits(mgr, keys, ctx) -> tuple[int, bool]:
+    """Look up keys in order up to the first miss, as an engine does (storage
+    hits start promotions): (leading keys readable in CPU now, any pending)."""
+    from kvoffload.abstractions import LookupResult
+
+    run, pending = 0, False
+    for k in keys:
+        r = mgr.lookup(k, ctx)
+        if r is LookupResult.MISS:
+            break
+        if r is LookupResult.HIT and not pending:
+            run += 1
+        else:
+            pending = True
+    return run, pending
+
+
 def paced_replay(trace, cpu_blocks: int, tier_conf: dict | None, chunk: int, wait_depth: int) -> dict:
     """The trace through TieringManager(CPU manager, storage tier) directly,
     with real bytes in a host pool. Request semantics of the trace README:
@@ -193,12 +210,11 @@ def paced_replay(trace, cpu_blocks: int, tier_conf: dict | None, chunk: int, wai
     and waited for), count the leading run of hits, then store the rest.
     The engine waits for the storage tier once wait_depth chunks are in
     flight: an engine whose compute time covers the IO (nothing dropped)."""
-    from kvoffload.abstractions import LookupResult, ScheduleEndContext
+    from kvoffload.abstractions import ScheduleEndContext
     from kvoffload.tiering import Tier, TieringManager
     from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 
     end = ScheduleEndContext((), ())
-    hit, pending = LookupResult.HIT, LookupResult.HIT_PENDING
     pool = HostPool(cpu_blocks, chunk)
     cpu = CPUOffloadingManager(cpu_blocks)
     tiers = []
@@ -214,14 +230,11 @@ def paced_replay(trace, cpu_blocks: int, tier_conf: dict | None, chunk: int, wai
             ctx = ReqContext(str(n))
             mgr.on_new_request(ctx)
             keys = [make_offload_key(int(h).to_bytes(8, "big"), 0) for h in req.block_hashes]
-            res = [mgr.lookup(k, ctx) for k in keys]
-            while pending in res:  # promotions: submit, wait, look again
-                mgr.on_schedule_end(end)
+            (run, waiting), rounds = _leading_hits(mgr, keys, ctx), 0
+            while waiting and rounds < 8:
+                mgr.on_schedule_end(end)  # promotions: submit, wait, look again
                 mgr.wait_idle()
-                res = [r if r is not pending else mgr.lookup(k, ctx) for k, r in zip(keys, res)]
-            run = 0
-            while run < len(keys) and res[run] is hit:
-                run += 1
+                (run, waiting), rounds = _leading_hits(mgr, keys, ctx), rounds + 1
             if run:  # "load" the hits: pin, check each chunk names its key, unpin
                 slots = mgr.prepare_load(keys[:run], ctx).block_ids
                 bad += sum(bytes(pool.array[int(s), :8]) != k[:8] for s, k in zip(slots, keys))
