@@ -125,8 +125,15 @@ class RemoteTierWorker(TierWorker):
             c.add("store_failures" if is_store else "load_failures", len(slots))
             return False
         views = [self.pool.chunk_memoryview(s)[: self.payload_bytes] for s in slots]
+        try:
+            groups = self._groups(spec.redis_keys)
+        except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as e:  # no topology
+            log.debug("remote: cannot route keys: %s", e)
+            backoff.failed()
+            c.add("store_failures" if is_store else "load_failures", len(slots))
+            return False
         ok = True
-        for name, node, idx in self._groups(spec.redis_keys):
+        for name, node, idx in groups:
             keys = [spec.redis_keys[i] for i in idx]
             dsts = [views[i] for i in idx]
             try:
