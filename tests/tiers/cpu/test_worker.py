@@ -151,7 +151,7 @@ def test_round_trip_property(data):
     for n in layers:
         groups.append(list(range(i, i + n)))
         i += n
-    num_blocks = 40
+    num_blocks = 48  # room for 3 groups x (8 source + 8 destination) blocks
     tensors, kv = random_kv_caches(num_blocks, pages, groups=groups, seed=data.draw(st.integers(0, 99)))
     cfg = config(tpbs, blocks_per_chunk=bpc, tokens_per_hash=tph)
     w = CPUOffloadingWorker(kv, cfg, 24)
