@@ -303,3 +303,18 @@ def test_spec_config_errors_name_the_key(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ConfigError, match="file"):
         _spec(tmp_path, path=str(tmp_path / "file" / "kv"))
+
+
+def test_promotions_do_not_evict_the_requests_own_cpu_hits(rig):
+    r = rig(cpu_chunks=3)
+    ctx = r.request()
+    keys = [key(i) for i in range(5)]
+    for k in keys:
+        r.gpu_store([k], ctx)
+        r.settle()
+    r.mgr.touch([keys[2]], ctx)  # CPU holds 3, 4, 2 (least recent first)
+    # a request wants 3, 4, 0: the promotion of 0 must evict 2, not the request's own 3
+    want = r.request("w")
+    assert [r.mgr.lookup(k, want) for k in (keys[3], keys[4], keys[0])] == [HIT, HIT, PENDING]
+    r.settle()
+    assert [r.mgr.lookup(k, want) for k in (keys[3], keys[4], keys[0])] == [HIT, HIT, HIT]

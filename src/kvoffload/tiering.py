@@ -133,6 +133,9 @@ class _RequestState:
 
     request_level: list[bool]  # per tier: wants already-resident chunks too
     failed: set[OffloadKey] = field(default_factory=set)  # promotions that failed: MISS
+    # keys it found readable in CPU: its promotions must not evict them, or a
+    # prefix longer than what CPU can spare would never be resident at once
+    cpu_hits: dict[OffloadKey, None] = field(default_factory=dict)
     jobs: int = 0  # secondary jobs in flight for this request
     finished: bool = False
 
@@ -208,8 +211,11 @@ class TieringManager(OffloadingManager):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._count("lookups")
         r = self.primary.lookup(key, req_context)
-        if r is _MISS and self.tiers:
-            r = self._lookup_secondary(key, req_context)
+        if self.tiers:
+            if r is _MISS:
+                r = self._lookup_secondary(key, req_context)
+            elif r is _HIT:
+                self._state(req_context).cpu_hits[key] = None
         self._count({_HIT: "hits", _MISS: "misses", _PENDING: "hits_pending", _RETRY: "retries"}[r])
         return r
 
@@ -241,7 +247,10 @@ class TieringManager(OffloadingManager):
         self._queued.clear()
         for (i, _), (ctx, keys) in queue.items():
             t, st = self.tiers[i], self._state(ctx)
-            out = self.primary.prepare_store(keys, ctx)
+            # the request's CPU hits ride along: already stored, so protected from eviction
+            slot_of = self.primary.slot_of
+            resident = [k for k in st.cpu_hits if slot_of(k) is not None]
+            out = self.primary.prepare_store(resident + keys, ctx)
             if out is None:  # no CPU slot can be freed
                 st.failed.update(keys)
                 t.count("promotion_failures", len(keys))
