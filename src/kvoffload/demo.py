@@ -8,7 +8,6 @@ and compared bit for bit with what was stored.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 
 import torch
