@@ -38,6 +38,8 @@ def parse_args():
     p.add_argument("--chunks-per-job", type=int, default=32)
     p.add_argument("--rounds", type=int, default=11)
     p.add_argument("--plot", help="write a PNG plot here")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the engine's KV tensors live (cuda: the worker's stream path)")
     p.add_argument("--strategies", action="store_true",
                    help="instead: compare scatter/gather strategies for a store, one thread, no worker")
     return p.parse_args()
@@ -54,7 +56,8 @@ def bench_size(chunk_bytes: int, args, bar) -> dict:
     page = chunk_bytes // args.layers
     gen = torch.Generator().manual_seed(chunk_bytes)
     # the "engine": 2n blocks per layer, filled with random bytes (touched)
-    tensors = [torch.randint(-128, 128, (2 * n, page), dtype=torch.int8, generator=gen) for _ in range(args.layers)]
+    tensors = [torch.randint(-128, 128, (2 * n, page), dtype=torch.int8, generator=gen).to(args.device)
+               for _ in range(args.layers)]
     kv = make_kv_caches(tensors)
     cfg = OffloadingConfig.from_dict({"groups": [16], "tokens_per_hash": 16})
     worker = CPUOffloadingWorker(kv, cfg, 2 * n)
@@ -64,8 +67,10 @@ def bench_size(chunk_bytes: int, args, bar) -> dict:
     per = args.chunks_per_job
     jobs = [(GPULoadStoreSpec(blocks[i : i + per]), CPULoadStoreSpec(slots[i : i + per])) for i in range(0, n, per)]
     nbytes = n * page * args.layers
-    ref_src = torch.randint(-128, 128, (nbytes,), dtype=torch.int8, generator=gen)
-    ref_dst = torch.zeros_like(ref_src)
+    # reference: the same bytes, one copy_ in the same direction (device <-> pinned host on CUDA)
+    ref_dev = torch.randint(-128, 128, (nbytes,), dtype=torch.int8, generator=gen).to(args.device)
+    ref_host = torch.zeros(nbytes, dtype=torch.int8, pin_memory=args.device == "cuda")
+    sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     job_id = 0
     copy_seconds = {"store": [], "load": []}  # the transfer thread's own time (TransferResult)
 
@@ -86,20 +91,23 @@ def bench_size(chunk_bytes: int, args, bar) -> dict:
     # against their mean, so load swings on this shared machine cancel.
     times = {"copy_": [], "store": [], "load": []}
     ratios = {"store": [], "load": []}
-    ref = lambda: timed(lambda: ref_dst.copy_(ref_src))  # noqa: E731
-    run("store"), run("load"), ref()  # warm up
+    def ref(direction):
+        dst, src = (ref_host, ref_dev) if direction == "store" else (ref_dev, ref_host)
+        return timed(lambda: (dst.copy_(src, non_blocking=True), sync()))
+
+    run("store"), run("load"), ref("store"), ref("load")  # warm up
     for _ in range(args.rounds):
         for direction in ("store", "load"):
-            before = ref()
+            before = ref(direction)
             t = timed(lambda: run(direction))
-            after = ref()
+            after = ref(direction)
             times["copy_"] += [before, after]
             times[direction].append(t)
             ratios[direction].append((before + after) / 2 / t)
         bar.update(1)
     # bit-exact check: the first layer's pages sit at the start of their slots
     pool_pages = worker.pool.tensor[:, :page].view(torch.int8)
-    assert torch.equal(tensors[0][blocks], pool_pages[slots])
+    assert torch.equal(tensors[0][torch.from_numpy(blocks).to(args.device)].cpu(), pool_pages[slots])
     worker.shutdown()
     gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items()}
     gbps.update({f"{k}_thread": nbytes / statistics.median(v) / 1e9 for k, v in copy_seconds.items()})
