@@ -41,7 +41,7 @@ from kvoffload.keys import GROUP_BYTES, check_key
 from kvoffload.policies import get_policy_class
 
 PENDING = -1
-_FINISHED = ([], [])  # request record after on_request_finished: record nothing more
+_FINISHED = ((), (), False)  # request record after on_request_finished: record nothing more
 _HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 _NO_POSITION = float("inf")
 
@@ -102,6 +102,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_pinned = 0  # slots with state > 0
         self._num_pending = 0  # slots with state == PENDING
         self._protected: set[bytes] = set()  # keys of the store being prepared
+        self._can_evict = self._make_can_evict()
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._zero_counters()
 
@@ -110,14 +111,15 @@ class CPUOffloadingManager(OffloadingManager):
         self._stored = self._loaded = self._evictions = 0
         self._allocation_failures = self._dropped = 0
 
-    def _record(self, ctx: ReqContext | None) -> tuple[list[bytes], list[bytes]] | None:
-        """This request's (reused, stored) key lists, kept on its context
-        under this manager (several managers may share one context)."""
+    def _record(self, ctx: ReqContext | None) -> list | None:
+        """This request's [reused keys, stored keys, loaded after storing],
+        kept on its context under this manager (several managers may share
+        one context)."""
         if ctx is None:
             return None
         rec = ctx._state.get(self)  # _state: ReqContext's scratch dict, read directly (hot path)
         if rec is None:
-            rec = ctx._state[self] = ([], [])
+            rec = ctx._state[self] = [[], [], False]
         return None if rec is _FINISHED else rec
 
     # ---- the spec a worker reads; storage tiers override --------------------
@@ -173,6 +175,8 @@ class CPUOffloadingManager(OffloadingManager):
         rec = self._record(req_context)
         if rec is not None:
             rec[0].extend(keys)
+            if rec[1]:
+                rec[2] = True  # may read back its own stores
         return self._make_spec(slots)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
@@ -206,8 +210,15 @@ class CPUOffloadingManager(OffloadingManager):
 
     # ---- stores -------------------------------------------------------------
 
-    def _can_evict(self, key: bytes) -> bool:
-        return self._state[self._slot_of[key]] == 0 and key not in self._protected
+    def _make_can_evict(self):
+        # A closure over the (never rebound) containers: called once per
+        # eviction candidate, cheaper than a method reading attributes.
+        state, slot_of, protected = self._state, self._slot_of, self._protected
+
+        def can_evict(key: bytes) -> bool:
+            return state[slot_of[key]] == 0 and key not in protected
+
+        return can_evict
 
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext | None = None
@@ -227,11 +238,11 @@ class CPUOffloadingManager(OffloadingManager):
         need = len(new) - len(free)
         if need > 0:
             if len(new) < len(keys):  # the store's own stored keys stay
-                self._protected = {k for k in keys if k in slot_of}
+                self._protected.update([k for k in keys if k in slot_of])
             try:
                 victims = self.policy.evict(need, self._can_evict)
             finally:
-                self._protected = set()
+                self._protected.clear()
             if victims is None:
                 self._allocation_failures += 1
                 return None
@@ -278,10 +289,11 @@ class CPUOffloadingManager(OffloadingManager):
         if success:
             for k in pending:
                 state[slot_of[k]] = 0
-            self.policy.insert(prefix_order(pending, req_context), req_context)
+            ordered = prefix_order(pending, req_context)
+            self.policy.insert(ordered, req_context)
             rec = self._record(req_context)
             if rec is not None:
-                rec[1].extend(pending)
+                rec[1].extend(ordered)
             self._stored += len(pending)
             if self._events is not None:
                 self._events.append(OffloadingEvent(pending, self.medium, False, self.locality))
@@ -307,16 +319,16 @@ class CPUOffloadingManager(OffloadingManager):
         state[self] = _FINISHED
         if rec is None or rec is _FINISHED:
             return
-        reused, stored = rec
-        if reused and stored:
+        reused, stored, read_back = rec
+        if read_back:
             # Reading back what this request stored (a cascade to a lower
             # tier, a promotion) is an internal transfer, not a reuse.
             own = set(stored)
             reused = [k for k in reused if k not in own]
-        if stored:
+        if stored:  # sorted per batch already; batches may have landed out of order
             self.policy.refresh(prefix_order(stored, req_context), req_context)
-        if reused:
-            self.policy.touch(prefix_order(reused, req_context), req_context)
+        if reused:  # loads come in prefix order (the scheduler's lookup order)
+            self.policy.touch(reused, req_context)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if not self._events:
