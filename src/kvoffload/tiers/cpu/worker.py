@@ -304,7 +304,7 @@ class CPUOffloadingWorker(OffloadingWorker):
             return
         job_ids = set(job_ids)
         with self._done:
-            self._waited |= job_ids
+            self._waited |= job_ids & self._in_flight  # finished ones would never leave the set
             self._done.wait_for(lambda: not (self._in_flight & job_ids))
 
     def _finish(self, job_id: int, nbytes: int, seconds: float | None) -> None:
