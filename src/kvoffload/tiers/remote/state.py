@@ -32,5 +32,7 @@ class SharedState:
     def __init__(self, cfg: RemoteConfig):
         self.counters = Counters()
         self.backoff = Backoff(cfg.backoff_initial_s, cfg.backoff_max_s)
-        self.gone_keys: deque[bytes] = deque()  # offload keys a load found missing/corrupt
+        # offload keys a load found missing/corrupt; bounded, since a worker
+        # process without a manager never drains it
+        self.gone_keys: deque[bytes] = deque(maxlen=1 << 16)
         self.worker_queue_blocks = 0  # gauge, written by the worker
