@@ -283,7 +283,7 @@ class CPUOffloadingWorker(OffloadingWorker):
             if not self.use_cuda:  # under the lock: never behind shutdown's sentinel
                 self._queue.put((job_id, direction, groups))
         if self.use_cuda:
-            self._launch_cuda(self._plan(job_id, direction, groups))
+            self._launch_cuda(job_id, direction, groups)
         return True
 
     def _refuse(self, direction: str, why: str) -> bool:
@@ -377,9 +377,10 @@ class CPUOffloadingWorker(OffloadingWorker):
         self._streams = {STORE: torch.cuda.Stream(self.device), LOAD: torch.cuda.Stream(self.device)}
         self._pending: dict[int, tuple[_Job, torch.cuda.Event, torch.cuda.Event]] = {}  # submit order
 
-    def _launch_cuda(self, job: _Job) -> None:
-        stream = self._streams[job.direction]
+    def _launch_cuda(self, job_id: int, direction: str, groups) -> None:
+        stream = self._streams[direction]
         try:
+            job = self._plan(job_id, direction, groups)
             # never read (or overwrite) blocks before the compute stream is done with them
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self.device))
@@ -390,8 +391,8 @@ class CPUOffloadingWorker(OffloadingWorker):
                 self._copy_cuda(job)
                 end.record(stream)
         except Exception:
-            logger.exception("CUDA offload %s job %d failed to launch", job.direction, job.job_id)
-            self._finish(job.job_id, -1, None)
+            logger.exception("CUDA offload %s job %d failed to launch", direction, job_id)
+            self._finish(job_id, -1, None)
             return
         with self._lock:
             self._pending[job.job_id] = (job, start, end)
