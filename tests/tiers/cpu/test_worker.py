@@ -311,3 +311,24 @@ def test_concurrent_submitters(worker_factory):
     w.wait({100})
     assert all(r.success for r in w.get_finished())
     assert all(torch.equal(a, b) for a, b in zip(orig, tensors))
+
+
+def test_cuda_copy_path_byte_views_round_trip(worker_factory):
+    """The CUDA path's copies (copy_ of byte views) run on CPU tensors too:
+    check its offsets on real bytes (streams and events need a GPU)."""
+    raw = torch.randint(-128, 128, (24, 3000), dtype=torch.int8)
+    tensors = [raw[:, :2048], torch.randint(-128, 128, (24, 512), dtype=torch.int8)]
+    kv = make_kv_caches(tensors, groups=[[0, 1]])
+    w = worker_factory(kv, config([16], blocks_per_chunk=2), 8)
+    w._flat, w._pool_flat = w._byte_views()
+    orig = [t.clone() for t in tensors]
+    store = w._plan(1, "store", w._check(GPULoadStoreSpec([3, 4, 5], block_indices=[1]), CPULoadStoreSpec([6, 2])))
+    w._copy_cuda(store)
+    load = w._plan(2, "load", w._check(GPULoadStoreSpec([10, 11, 12], block_indices=[1]), CPULoadStoreSpec([6, 2])))
+    w._copy_cuda(load)
+    for a, b in zip(orig, tensors):
+        assert torch.equal(b[10:13], a[3:6])
+    # and the CPU path reads back the same pool bytes
+    run(w, 3, "load", GPULoadStoreSpec([20, 21, 22], block_indices=[1]), CPULoadStoreSpec([6, 2]))
+    for a, b in zip(orig, tensors):
+        assert torch.equal(b[20:23], a[3:6])

@@ -366,14 +366,17 @@ class CPUOffloadingWorker(OffloadingWorker):
 
     # ---- CUDA: own streams and events -------------------------------
 
-    def _init_cuda(self) -> None:
-        # 1-D byte views over each tensor's storage and the (pinned) pool
-        self._flat = []
+    def _byte_views(self) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """1-D int8 views over each KV tensor's blocks and over the pool."""
+        flat = []
         for kvt in self.kv_caches.tensors:
             t = kvt.tensor
             span = (t.shape[0] - 1) * t.stride(0) + t[0].numel()
-            self._flat.append(t.view(torch.int8).as_strided((span,), (1,), t.storage_offset()))
-        self._pool_flat = self.pool.tensor.view(torch.int8).view(-1)
+            flat.append(t.view(torch.int8).as_strided((span,), (1,), t.storage_offset()))
+        return flat, self.pool.tensor.view(torch.int8).view(-1)
+
+    def _init_cuda(self) -> None:
+        self._flat, self._pool_flat = self._byte_views()
         self._streams = {STORE: torch.cuda.Stream(self.device), LOAD: torch.cuda.Stream(self.device)}
         self._pending: dict[int, tuple[_Job, torch.cuda.Event, torch.cuda.Event]] = {}  # submit order
 
