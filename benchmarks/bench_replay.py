@@ -36,6 +36,7 @@ def main() -> None:
     ap.add_argument("--policies", default="lru,arc")
     ap.add_argument("--kv-bytes-per-token", type=int, default=16)
     ap.add_argument("--json", help="write all figures here")
+    ap.add_argument("--plot", help="write a PNG of hit rate vs capacity (each policy, LRU sim, Belady) here")
     args = ap.parse_args()
 
     trace = load_trace(args.trace)
@@ -71,6 +72,34 @@ def main() -> None:
     print("\n".join(rows))
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=str) + "\n")
+    if args.plot:
+        plot(out, args.plot, trace.name)
+
+
+def plot(points: list[dict], path: str, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for policy in dict.fromkeys(p["policy"] for p in points):
+        mine = [p for p in points if p["policy"] == policy]
+        ax.plot([p["blocks"] for p in mine], [p["summary"]["offload_prefix_hit_rate"] for p in mine], "o-",
+                label=f"replay, {policy}")
+    first = [p for p in points if p["policy"] == points[0]["policy"]]
+    caps = [p["blocks"] for p in first]
+    ax.plot(caps, [p["sim_lru"] for p in first], "k:", label="LRU (offline sim)")
+    ax.plot(caps, [p["belady"] for p in first], "^--", label="Belady (optimal)")
+    ax.set_xscale("log")
+    ax.set_xlabel("CPU tier capacity (blocks of 512 tokens)")
+    ax.set_ylabel("prefix hit rate")
+    ax.set_title(title)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -97,6 +97,7 @@ class ReplayResult:
     worker_s: float
     content_s: float
     idle_s: float
+    cpu_s: float  # CPU time of the process (all threads) during the run
     oracle: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -201,6 +202,7 @@ class ReplayEngine:
         bar = _progress(total, opts.progress, self.trace.name)
         now = 0.0
         t_start = time.perf_counter()
+        cpu_start = time.process_time()
         while done < total:
             c = self.c
             c["steps"] += 1
@@ -239,6 +241,7 @@ class ReplayEngine:
                 bar.update(finished)
         self._drain_tiers()
         wall = time.perf_counter() - t_start
+        cpu = time.process_time() - cpu_start
         if bar is not None:
             bar.close()
         self.c["sim_time_ms"] = now
@@ -256,7 +259,7 @@ class ReplayEngine:
                                   "mean": float(t.mean())},
             timeline=self.timeline,
             wall_s=wall, manager_s=self._mgr_s, worker_s=self._worker_s, content_s=self._content_s,
-            idle_s=self._idle_s,
+            idle_s=self._idle_s, cpu_s=cpu,
         )
 
     def _drain_tiers(self, timeout_s: float = 60.0) -> None:
@@ -541,9 +544,8 @@ class ReplayEngine:
         self._collect_stats()
         c = self.c
         point = {"requests": done, "block_refs": c["block_refs"], "gpu_hit_blocks": c["gpu_hit_blocks"],
-                 "offload_hit_blocks": c["offload_hit_blocks"]}
-        for name, t in self._tiers.items():
-            point[f"tier:{name}:loaded_blocks"] = t["counters"].get("loaded_blocks", 0)
+                 "offload_hit_blocks": c["offload_hit_blocks"],
+                 "offload_hit_blocks_after_pending": c["offload_hit_blocks_after_pending"]}
         self.timeline.append(point)
 
 

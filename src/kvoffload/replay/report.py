@@ -51,6 +51,7 @@ def summary(r: ReplayResult) -> dict[str, Any]:
         "manager_s": r.manager_s,
         "worker_s": r.worker_s,
         "idle_s": r.idle_s,
+        "cpu_s": r.cpu_s,
         "content_s": r.content_s,
         "harness_s": r.harness_s,
         "harness_share": _rate(r.harness_s, r.wall_s),
@@ -148,7 +149,7 @@ def _rows(r: ReplayResult) -> list[tuple[str, str]]:
          f"{s['prefill_saved_s']:.1f} s by offload, {s['prefill_saved_by_gpu_cache_s']:.1f} s by GPU cache"),
         ("wall time", f"{s['wall_s']:.2f} s: manager {s['manager_s']:.2f}, worker {s['worker_s']:.2f}, "
                       f"idle {s['idle_s']:.2f}, harness {s['harness_s']:.2f} = {100 * s['harness_share']:.0f}% "
-                      f"(block contents {s['content_s']:.2f})"),
+                      f"(block contents {s['content_s']:.2f}); CPU time {s['cpu_s']:.2f} s"),
     ]
     return rows
 
@@ -205,25 +206,29 @@ def _plt():
 
 
 def plot_timeline(r: ReplayResult, path: str | Path) -> None:
-    """Prefix hit rate per window of requests, per tier."""
+    """Prefix hit rate per window of requests: GPU cache, offload tiers, and
+    with lower tiers, what the CPU tier served directly vs what was promoted."""
     plt = _plt()
     t = r.timeline
     if len(t) < 2:
         return
-    xs, series = [], {"GPU cache": [], "offload (all tiers)": []}
-    tier_names = [k for k in t[0] if k.startswith("tier:")]
-    show_tiers = len(tier_names) > 1
-    for name in tier_names if show_tiers else []:
-        series[name.split(":")[1]] = []
+    multi = sum(not x.get("composite") for x in r.tiers.values()) > 1
+    series: dict[str, list[float]] = {"GPU cache": [], "offload (all tiers)": []}
+    if multi:
+        series["CPU tier (direct)"] = []
+        series["lower tiers (promoted)"] = []
+    xs = []
     for a, b in zip(t, t[1:]):
         refs = b["block_refs"] - a["block_refs"]
         if refs <= 0:
             continue
         xs.append(b["requests"])
-        series["GPU cache"].append((b["gpu_hit_blocks"] - a["gpu_hit_blocks"]) / refs)
-        series["offload (all tiers)"].append((b["offload_hit_blocks"] - a["offload_hit_blocks"]) / refs)
-        for name in tier_names if show_tiers else []:
-            series[name.split(":")[1]].append((b.get(name, 0) - a.get(name, 0)) / refs)
+        d = {k: b[k] - a[k] for k in ("gpu_hit_blocks", "offload_hit_blocks", "offload_hit_blocks_after_pending")}
+        series["GPU cache"].append(d["gpu_hit_blocks"] / refs)
+        series["offload (all tiers)"].append(d["offload_hit_blocks"] / refs)
+        if multi:
+            series["CPU tier (direct)"].append((d["offload_hit_blocks"] - d["offload_hit_blocks_after_pending"]) / refs)
+            series["lower tiers (promoted)"].append(d["offload_hit_blocks_after_pending"] / refs)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, ys in series.items():
         ax.plot(xs, ys, label=label)
