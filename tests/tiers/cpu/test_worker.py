@@ -332,3 +332,14 @@ def test_cuda_copy_path_byte_views_round_trip(worker_factory):
     run(w, 3, "load", GPULoadStoreSpec([20, 21, 22], block_indices=[1]), CPULoadStoreSpec([6, 2]))
     for a, b in zip(orig, tensors):
         assert torch.equal(b[20:23], a[3:6])
+
+
+def test_contiguous_fragments_are_merged(worker_factory):
+    # two runs that together are one contiguous 1024 B copy at canonical offset 512
+    tensors, kv = random_kv_caches(8, [1024])
+    runs = (CopyRun(0, 512, 128, 4, 128, 128), CopyRun(512, 1024, 256, 2, 256, 256))
+    kv.group_data_refs[0][0].mapping = CanonicalPageMapping(2048, 1024, runs, 1, 0, False)
+    w = worker_factory(kv, config([16]), 2)
+    assert w._pieces[0].size.tolist() == [1024]
+    run(w, 1, "store", GPULoadStoreSpec([5]), CPULoadStoreSpec([1]))
+    assert np.array_equal(w.pool.chunk(1)[512:1536], tensors[0][5].numpy().view(np.uint8))

@@ -122,14 +122,18 @@ def _group_pieces(kv_caches: CanonicalKVCaches, layout, group: int) -> _Pieces:
         if ref.mapping is None:
             cols.append((ref.tensor_idx, 0, stride, offset, page, ref.page_size_bytes))
             continue
-        m = ref.mapping
-        for run in m.runs:
+        fragments = []  # (local offset, canonical offset, size)
+        for run in ref.mapping.runs:
             for i in range(run.num_fragments):
                 lo = run.local_offset + i * run.local_stride
                 co = run.canonical_offset + i * run.canonical_stride
                 if lo + run.fragment_size > ref.page_size_bytes or co + run.fragment_size > page:
                     raise ValueError(f"tensor {ref.tensor_idx}: CopyRun {run} leaves the page")
-                cols.append((ref.tensor_idx, lo, stride, offset + co, page, run.fragment_size))
+                if fragments and fragments[-1][0] + fragments[-1][2] == lo and fragments[-1][1] + fragments[-1][2] == co:
+                    fragments[-1] = (fragments[-1][0], fragments[-1][1], fragments[-1][2] + run.fragment_size)
+                else:  # not contiguous with the previous one on both sides
+                    fragments.append((lo, co, run.fragment_size))
+        cols += [(ref.tensor_idx, lo, stride, offset + co, page, n) for lo, co, n in fragments]
     arr = np.array(cols, dtype=np.int64).reshape(-1, 6).T
     return _Pieces(*arr, min_blocks=min_blocks or 0)
 
