@@ -260,8 +260,8 @@ class CPUOffloadingManager(OffloadingManager):
         slots = free[cut:]
         del free[cut:]
         slots.reverse()  # lowest slot to the first key, as free.pop() would
-        for k, s in zip(new, slots):
-            slot_of[k] = s
+        slot_of.update(zip(new, slots))
+        for s in slots:
             state[s] = PENDING
         self._num_pending += len(new)
         return PrepareStoreOutput(keys_to_store=new, store_spec=self._make_spec(slots), evicted_keys=evicted)
@@ -273,22 +273,31 @@ class CPUOffloadingManager(OffloadingManager):
             return
         slot_of, state = self._slot_of, self._state
         try:
-            pending = [k for k in keys if state[slot_of[k]] == PENDING]
+            slots = [slot_of[k] for k in keys]
         except (KeyError, TypeError):
             _check_keys(list(keys))
             missing = next(k for k in keys if k not in slot_of)
             raise BlockStateError(f"{self.name}: complete_store of key {missing!r} that was never prepared") from None
-        if not pending:
-            raise BlockStateError(
-                f"{self.name}: complete_store of keys with no store in flight "
-                f"(already completed?), first {next(iter(keys))!r}"
-            )
+        values = [state[s] for s in slots]
+        if max(values) == PENDING:  # all pending: the usual case
+            pending = list(keys)
+        else:
+            pending = [k for k, v in zip(keys, values) if v == PENDING]
+            if not pending:
+                raise BlockStateError(
+                    f"{self.name}: complete_store of keys with no store in flight "
+                    f"(already completed?), first {next(iter(keys))!r}"
+                )
+            slots = [slot_of[k] for k in pending]
         if len(pending) > 1 and type(keys) is not set:
+            n = len(pending)
             pending = list(dict.fromkeys(pending))
+            if len(pending) < n:
+                slots = [slot_of[k] for k in pending]
         self._num_pending -= len(pending)
         if success:
-            for k in pending:
-                state[slot_of[k]] = 0
+            for s in slots:
+                state[s] = 0
             ordered = prefix_order(pending, req_context)
             self.policy.insert(ordered, req_context)
             rec = self._record(req_context)
@@ -298,11 +307,11 @@ class CPUOffloadingManager(OffloadingManager):
             if self._events is not None:
                 self._events.append(OffloadingEvent(pending, self.medium, False, self.locality))
         else:
-            free = self._free
             for k in pending:
-                s = slot_of.pop(k)
+                del slot_of[k]
+            for s in slots:
                 state[s] = 0
-                free.append(s)
+            self._free.extend(slots)
             self._dropped += len(pending)
 
     # ---- requests, events, stats -------------------------------------------
