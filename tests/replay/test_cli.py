@@ -46,6 +46,10 @@ def test_bad_option_values(capsys):
     assert "unknown eviction policy 'nope'" in capsys.readouterr().err
     assert main(["replay", "--sessions", "2", "--extra", "nokey", "--no-progress"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
+    assert main(["replay", "--sessions", "2", "--time-compression", "0", "--no-progress"]) == 2
+    assert "time_compression must be positive" in capsys.readouterr().err
+    assert main(["replay", "--sessions", "2", "--limit", "0", "--no-progress"]) == 2
+    assert "--limit" in capsys.readouterr().err
 
 
 def test_cpu_bytes_and_model_preset(mooncake_file, capsys):

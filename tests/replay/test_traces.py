@@ -49,6 +49,11 @@ def test_missing_empty_and_unknown_format(tmp_path):
         load_trace(tmp_path / "e.jsonl")
     with pytest.raises(TraceError, match="unknown trace format 'csv'"):
         load_trace(tmp_path / "e.jsonl", fmt="csv")
+    (tmp_path / "one.jsonl").write_text('{"prompt": [1, 2, 3, 4]}\n')
+    with pytest.raises(TraceError, match="block size must be positive, got 0"):
+        load_trace(tmp_path / "one.jsonl", block_size=0)
+    with pytest.raises(TraceError, match="limit must be a positive"):
+        load_trace(tmp_path / "one.jsonl", limit=0)
 
 
 def test_limit_keeps_first_requests(mooncake_file):

@@ -108,7 +108,12 @@ def _load(args) -> Trace:
         return load_trace(args.trace, args.format, args.block_size, args.limit)
     from kvoffload.replay.generator import generate_chat
 
-    trace = generate_chat(seed=args.seed, sessions=args.sessions, block_size=args.block_size or 64)
+    if args.sessions <= 0 or (args.block_size is not None and args.block_size <= 0):
+        raise ConfigError("--sessions and --block-size must be positive")
+    if args.limit is not None and args.limit <= 0:
+        raise ConfigError(f"--limit must be positive, got {args.limit}")
+    trace = generate_chat(seed=args.seed, sessions=args.sessions,
+                          block_size=64 if args.block_size is None else args.block_size)
     if args.limit:
         trace.requests = trace.requests[: args.limit]
     return trace

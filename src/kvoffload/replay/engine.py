@@ -116,6 +116,11 @@ class ReplayEngine:
                               f"got {opts.kv_bytes_per_token} * {bs}")
         if opts.max_running <= 0:
             raise ConfigError(f"max_running must be positive, got {opts.max_running}")
+        for name in ("time_compression", "prefill_tokens_per_s"):
+            if not getattr(opts, name) > 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(opts, name)!r}")
+        if opts.gpu_blocks < 0:
+            raise ConfigError(f"gpu_blocks must be 0 or more, got {opts.gpu_blocks}")
         if opts.arrival not in ("asap", "trace"):
             raise ConfigError(f"arrival must be 'asap' or 'trace', got {opts.arrival!r}")
         self.page_bytes = page
@@ -181,6 +186,7 @@ class ReplayEngine:
             return
         for s in st.walk():
             tier = self._tiers.setdefault(s.tier, {"medium": getattr(s.medium, "value", None),
+                                                   "locality": getattr(s.locality, "value", None),
                                                    "composite": bool(s.children),
                                                    "counters": {}, "gauges": {}})
             for k, v in s.counters.items():

@@ -87,6 +87,7 @@ def tier_rows(r: ReplayResult) -> dict[str, dict[str, Any]]:
             served = promoted * _rate(tc.get("loaded_blocks", 0), lower_reads)
         out[name] = {
             "medium": t.get("medium"),
+            "locality": t.get("locality"),
             "prefix_hit_rate": _rate(served, refs),
             "capacity_blocks": t["gauges"].get("capacity_blocks"),
             **{k: tc[k] for k in ("lookups", "hits", "hits_pending", "stored_blocks", "loaded_blocks",
@@ -125,9 +126,11 @@ def _rows(r: ReplayResult) -> list[tuple[str, str]]:
         ("prefix hit rate: offload", f"{s['offload_prefix_hit_rate']:.4f}"),
     ]
     for name, tier in s["tiers"].items():
-        rows.append((f"  tier {name} ({tier['medium']})",
+        where = ", ".join(str(x) for x in (tier["medium"], tier["locality"]) if x)
+        cap = tier["capacity_blocks"]
+        rows.append((f"  tier {name} ({where})",
                      f"hit rate {tier['prefix_hit_rate']:.4f}, capacity "
-                     f"{_fmt(tier['capacity_blocks'])} blocks, stored {_fmt(tier.get('stored_blocks', 0))}, "
+                     f"{_fmt(int(cap)) + ' blocks' if cap else 'n/a'}, stored {_fmt(tier.get('stored_blocks', 0))}, "
                      f"evictions {_fmt(tier.get('evictions', 0))}"))
     if r.oracle:
         cap = r.oracle.get("capacity_blocks")

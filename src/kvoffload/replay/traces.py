@@ -138,6 +138,8 @@ def load_trace(path: str | Path, fmt: str = "auto", block_size: int | None = Non
                limit: int | None = None) -> Trace:
     """Read a JSONL trace; `limit` keeps only the first requests."""
     path = Path(path)
+    if limit is not None and limit <= 0:
+        raise TraceError(f"limit must be a positive number of requests, got {limit}")
     if fmt != "auto" and fmt not in FORMATS:
         raise TraceError(f"unknown trace format {fmt!r}; known: auto, {', '.join(FORMATS)}")
     try:
@@ -159,7 +161,7 @@ def load_trace(path: str | Path, fmt: str = "auto", block_size: int | None = Non
                 raise _fail(path, lineno, f"expected a JSON object, got {type(d).__name__}")
             if trace is None:
                 fmt = detect_format(d) if fmt == "auto" else fmt
-                bs = block_size or DEFAULT_BLOCK_SIZE[fmt]
+                bs = DEFAULT_BLOCK_SIZE[fmt] if block_size is None else block_size
                 if bs <= 0:
                     raise TraceError(f"block size must be positive, got {bs}")
                 trace = Trace(name=path.name, block_size=bs)
