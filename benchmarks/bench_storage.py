@@ -323,9 +323,11 @@ def plot(result: dict, path: Path) -> None:
     for ax, k in zip(axes[0], panels):
         if k == "io":
             x = np.arange(len(result["io"]))
-            for off, (key, label) in enumerate([("dd_write_GBps", "dd write"), ("tier_write_GBps", "tier write"),
-                                                ("dd_read_GBps", "dd read"), ("tier_read_GBps", "tier read")]):
-                ax.bar(x + (off - 1.5) * 0.2, [r[key] for r in result["io"]], 0.2, label=label)
+            bars = [("dd_write_GBps", "dd write"), ("tier_write_GBps", "tier write (fresh)"),
+                    ("tier_overwrite_GBps", "tier write (overwrite)"),
+                    ("dd_read_GBps", "dd read"), ("tier_read_GBps", "tier read")]
+            for off, (key, label) in enumerate(bars):
+                ax.bar(x + (off - 2) * 0.16, [r[key] for r in result["io"]], 0.16, label=label)
             ax.set_xticks(x, [f"{r['chunk_bytes'] >> 10} KiB" for r in result["io"]])
             ax.set_ylabel("GB/s (O_DIRECT)")
             ax.set_title("storage tier vs dd, same filesystem")
