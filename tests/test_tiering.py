@@ -318,3 +318,19 @@ def test_promotions_do_not_evict_the_requests_own_cpu_hits(rig):
     assert [r.mgr.lookup(k, want) for k in (keys[3], keys[4], keys[0])] == [HIT, HIT, PENDING]
     r.settle()
     assert [r.mgr.lookup(k, want) for k in (keys[3], keys[4], keys[0])] == [HIT, HIT, HIT]
+
+
+def test_spec_storage_shorthand(tmp_path):
+    from kvoffload.config import ConfigError, OffloadingConfig
+    from kvoffload.spec import build_spec
+
+    def cfg(**extra):
+        return OffloadingConfig.from_dict({"groups": [16], "extra_config": {
+            "num_cpu_chunks": 2, "kv_bytes_per_chunk": 8192, **extra}})
+
+    spec = build_spec("tiered", cfg(storage_dir=str(tmp_path / "kv"), storage_bytes="64KiB"))
+    (tier,) = spec.get_manager().tiers
+    assert tier.name == "storage" and tier.manager.get_stats().gauges["capacity_blocks"] == 8
+    spec.get_manager().shutdown()
+    with pytest.raises(ConfigError, match="storage_dir and storage_bytes"):
+        build_spec("tiered", cfg(storage_dir=str(tmp_path / "kv2")))
