@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.abstractions import (
@@ -29,6 +29,7 @@ from kvoffload.spec import build_spec, get_spec_class, register_spec, spec_names
 # ---- keys --------------------------------------------------------------------
 
 
+@settings(deadline=None)  # no timing on a loaded machine
 @given(st.binary(min_size=1, max_size=64), st.integers(0, 2**32 - 1))
 def test_key_round_trip(block_hash, group):
     key = make_offload_key(block_hash, group)
@@ -164,6 +165,7 @@ def test_cpu_spec_holds_slots():
 # ---- canonical layout --------------------------------------------------------
 
 
+@settings(deadline=None)  # no timing on a loaded machine
 @given(st.integers(1, 8), st.data())
 def test_writer_rotation_covers_each_block_once(num_writers, data):
     mappings = [CanonicalPageMapping(1024, 512, (), num_writers, i, True) for i in range(num_writers)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.config import ConfigError, OffloadingConfig, check_known_keys, parse_bytes
@@ -105,6 +105,7 @@ def test_parse_bytes_rejects(value):
         parse_bytes(value, "size")
 
 
+@settings(deadline=None)  # no timing on a loaded machine
 @given(st.integers(1, 2**50))
 def test_parse_bytes_int_round_trip(n):
     assert parse_bytes(n, "k") == n == parse_bytes(str(n), "k")
