@@ -40,6 +40,7 @@ def summary(r: ReplayResult) -> dict[str, Any]:
         "gpu_evictions": int(c["gpu_evictions"]),
         "allocation_failures": int(c["allocation_failures"]),
         "delayed_lookups": int(c["delayed_lookups"]),
+        "delay_timeouts": int(c["delay_timeouts"]),
         "load_failures": int(c["load_failures"]),
         "store_failures": int(c["store_failures"]),
         "verified_blocks": int(c["verified_blocks"]),
@@ -144,7 +145,7 @@ def _rows(r: ReplayResult) -> list[tuple[str, str]]:
          f"{s['manager_ns_per_block_p50']:,.0f} / {s['manager_ns_per_block_p99']:,.0f}"),
         ("evictions offload / GPU", f"{s['evictions']:,} / {s['gpu_evictions']:,}"),
         ("allocation failures", f"{s['allocation_failures']:,}"),
-        ("delayed lookups", f"{s['delayed_lookups']:,}"),
+        ("delayed lookups (timed out)", f"{s['delayed_lookups']:,} ({s['delay_timeouts']:,})"),
         ("load / store failures", f"{s['load_failures']:,} / {s['store_failures']:,}"),
         ("verified loaded blocks", f"{s['verified_blocks']:,} ({s['verify_failures']:,} MISMATCHED)"
          if s["verify_failures"] else f"{s['verified_blocks']:,} (all bytes match)"),
