@@ -42,12 +42,15 @@ from kvoffload.policies.base import EvictionPolicy
 
 
 class _LastKey:
-    """Per-request scratch: the last key this request handed to the policy."""
+    """Per-request scratch: the last key this request handed to the policy,
+    and whether its touches were counted already (a scheduler may touch a
+    request's blocks more than once; that is one use, not several)."""
 
-    __slots__ = ("key",)
+    __slots__ = ("key", "touched")
 
     def __init__(self, key: bytes):
         self.key = key
+        self.touched = False
 
 
 class PrefixAwarePolicy(EvictionPolicy):
@@ -134,21 +137,23 @@ class PrefixAwarePolicy(EvictionPolicy):
 
     # -- leaves -------------------------------------------------------------------
 
-    def _follow(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+    def _follow(self, keys: list[bytes], ctx: ReqContext | None) -> _LastKey | None:
         """Remember the request's last key; if this call continues the
         request, the previous last key got a child: un-leaf it."""
         if ctx is None:
-            return
+            return None
         last = ctx.get_state(_LastKey)
         if last is None:
-            ctx.set_state(_LastKey(keys[-1]))
-            return
+            last = _LastKey(keys[-1])
+            ctx.set_state(last)
+            return last
         st = self.order.get(last.key)
         if st is not None and last.key != keys[-1] and (st & 7) < 4:
             self.order[last.key] = (st & ~7) | (7 - (st & 7))  # leaf count c -> inner count c
             self.leaf_stats[0] = max(1.0, self.leaf_stats[0] - 1)  # it was counted as a stored leaf
             self.inner_stats[0] += 1
         last.key = keys[-1]
+        return last
 
     # -- EvictionPolicy -------------------------------------------------------
 
@@ -206,9 +211,16 @@ class PrefixAwarePolicy(EvictionPolicy):
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         if not keys:
             return
-        self._follow(keys, ctx)
+        req = self._follow(keys, ctx)
         order = self.order
         get, move = order.get, order.move_to_end
+        if req is not None:
+            if req.touched:  # this request's use was counted: recency only
+                for k in reversed(keys):
+                    if k in order:
+                        move(k)
+                return
+            req.touched = True
         stamp = self.clock << 3
         top = 4 + self.TOP
         reused = leaf_reused = again = 0
