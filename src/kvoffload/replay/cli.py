@@ -26,23 +26,22 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         "replay", help="replay a serving trace through the offload tiers and report what they buy",
         description="Replay a trace (or, with no trace, a seeded multi-turn chat workload) through a "
                     "simulated engine driving a real OffloadingSpec, with real byte copies checked "
-                    "byte for byte.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                    "byte for byte.")
     t = p.add_argument_group("workload")
     t.add_argument("trace", nargs="?", help="JSONL trace; omit for the embedded chat workload")
     t.add_argument("--format", default="auto", choices=("auto",) + FORMATS)
     t.add_argument("--block-size", type=int, help="tokens per block (default: the format's: "
                    "mooncake 512, bailian 16, tokens 16, generated chat 64)")
     t.add_argument("--limit", type=int, help="replay only the first N requests")
-    t.add_argument("--seed", type=int, default=0, help="seed of the generated workload")
-    t.add_argument("--sessions", type=int, default=200, help="chat sessions of the generated workload")
+    t.add_argument("--seed", type=int, default=0, help="seed of the generated workload (default 0)")
+    t.add_argument("--sessions", type=int, default=200, help="chat sessions of the generated workload (default 200)")
     s = p.add_argument_group("tiers (passed to the spec's extra_config)")
     s.add_argument("--spec", help="spec name or module:Class (default: cpu; 'tiered' when a storage "
                    "or remote option is given)")
     s.add_argument("--cpu-blocks", help="CPU tier capacity in blocks, or a share of the trace's "
                    "unique blocks such as 5%% (default 10%% unless --cpu-bytes)")
     s.add_argument("--cpu-bytes", help="CPU tier size, e.g. 2GiB (cpu_bytes_to_use)")
-    s.add_argument("--policy", default="lru", help="eviction policy: lru, arc, or module:Class")
+    s.add_argument("--policy", default="lru", help="eviction policy: lru (default), arc, or module:Class")
     s.add_argument("--storage-dir", help="storage tier directory (storage_dir; needs a spec with a "
                    "storage tier, e.g. tiered)")
     s.add_argument("--storage-bytes", help="storage tier size (storage_bytes)")
@@ -54,14 +53,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     e = p.add_argument_group("engine")
     e.add_argument("--gpu-blocks", type=int, default=0,
                    help="GPU prefix cache size in blocks (0: the trace README's reference semantics)")
-    e.add_argument("--max-running", type=int, default=1, help="requests in flight at once")
+    e.add_argument("--max-running", type=int, default=1, help="requests in flight at once (default 1)")
     e.add_argument("--model", choices=sorted(MODEL_PRESETS), help="KV bytes per token of a model")
     e.add_argument("--kv-bytes-per-token", type=int, help="KV bytes per token (default 16: fast)")
     e.add_argument("--arrival", choices=("asap", "trace"), default="asap",
-                   help="as fast as possible, or on the trace's timestamps (simulated clock)")
-    e.add_argument("--time-compression", type=float, default=1.0, help="divide timestamps by this")
+                   help="asap (default): as fast as possible; trace: on the trace's timestamps (simulated clock)")
+    e.add_argument("--time-compression", type=float, default=1.0, help="divide timestamps by this (default 1)")
     e.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0,
-                   help="prefill cost, for the time-saved estimate and the simulated clock")
+                   help="prefill cost, for the time-saved estimate and the simulated clock (default 10000)")
     e.add_argument("--sync-tiers", action="store_true",
                    help="let the tiers finish cascading stores before each new request (deterministic)")
     e.add_argument("--strict", action="store_true", help="stop at the first byte mismatch")
