@@ -69,6 +69,16 @@ class EngineOptions:
 
 
 @dataclass
+class _Seen:
+    """A request the scheduler has looked at (it may still be waiting)."""
+
+    ctx: ReqContext
+    keys: list[bytes]  # prompt keys, prefix order
+    request_level: bool  # the manager wants every block stored, hits too
+    pending: set[bytes] = field(default_factory=set)  # keys that answered HIT_PENDING/RETRY
+
+
+@dataclass
 class _Run:
     req: Request
     ctx: ReqContext
@@ -202,7 +212,7 @@ class ReplayEngine:
         arrivals = deque(reqs)
         waiting: deque[tuple[Request, int]] = deque()  # (request, steps delayed)
         self.running: list[_Run] = []
-        self._ctx: dict[str, ReqContext] = {}
+        self._seen: dict[str, _Seen] = {}  # requests looked at, not finished
         done = 0
         sample_at = max(1, total // max(1, opts.samples))
         bar = _progress(total, opts.progress, self.trace.name)
@@ -296,9 +306,9 @@ class ReplayEngine:
             if len(self.running) >= self.opts.max_running:
                 break
             req, delays = waiting.popleft()
-            ctx = self._ctx.get(req.req_id)
+            seen = self._seen.get(req.req_id)
             hashes = req.block_hashes
-            if ctx is None:
+            if seen is None:  # first sight of the request
                 ctx = ReqContext(req.req_id)
                 bs = self.trace.block_size
                 keys = [h.to_bytes(8, "big") + _GROUP0 for h in hashes]
@@ -307,11 +317,8 @@ class ReplayEngine:
                 t0 = time.perf_counter()
                 roc = mgr.on_new_request(ctx)
                 self._mgr(t0, 1)
-                ctx._replay_keys = keys  # type: ignore[attr-defined]
-                ctx._replay_level = roc.policy == OffloadPolicy.REQUEST_LEVEL  # type: ignore[attr-defined]
-                ctx._replay_pending = set()  # type: ignore[attr-defined]
-                self._ctx[req.req_id] = ctx
-            keys = ctx._replay_keys  # type: ignore[attr-defined]
+                seen = self._seen[req.req_id] = _Seen(ctx, keys, roc.policy == OffloadPolicy.REQUEST_LEVEL)
+            ctx, keys = seen.ctx, seen.keys
             n_gpu = self.gpu.match(hashes)
             n_off = 0
             pending = False
@@ -328,7 +335,7 @@ class ReplayEngine:
                     continue
                 if r is not _MISS:
                     pending = True
-                    ctx._replay_pending.add(k)  # type: ignore[attr-defined]
+                    seen.pending.add(k)
                 break
             if pending:
                 if delays < self.opts.max_delay_steps:
@@ -346,8 +353,7 @@ class ReplayEngine:
                 dec = req.decode_hashes if req.decode_hashes is not None else _unique_hashes(req, n_dec)
                 keys = keys + [h.to_bytes(8, "big") + _GROUP0 for h in dec]
                 hashes = hashes + list(dec)
-            run = _Run(req, ctx, keys, hashes, slots, n_gpu, n_off,
-                       request_level=ctx._replay_level)  # type: ignore[attr-defined]
+            run = _Run(req, ctx, keys, hashes, slots, n_gpu, n_off, request_level=seen.request_level)
             self.running.append(run)
             new_ids.append(req.req_id)
             # vLLM touches every block of the request, GPU-cached ones too; before
@@ -361,10 +367,10 @@ class ReplayEngine:
             c["block_refs"] += plen
             c["gpu_hit_blocks"] += n_gpu
             c["offload_hit_blocks"] += n_off
-            if ctx._replay_pending:  # type: ignore[attr-defined]
+            if seen.pending:
                 # answered HIT_PENDING first: promoted from a lower tier (or a
                 # store in flight) before this request could load it
-                was = ctx._replay_pending  # type: ignore[attr-defined]
+                was = seen.pending
                 c["offload_hit_blocks_after_pending"] += sum(k in was for k in keys[n_gpu:n_gpu + n_off])
             tok = self.trace.block_tokens
             g_tok = sum(tok(req, i) for i in range(n_gpu))
@@ -543,7 +549,7 @@ class ReplayEngine:
         # Tail first, as vLLM frees them: the head stays cached longest.
         self.gpu.release(run.slots[::-1])
         self.running.remove(run)
-        del self._ctx[run.req.req_id]
+        del self._seen[run.req.req_id]
         run.phase = "done"
 
     def _sample(self, done: int) -> None:
