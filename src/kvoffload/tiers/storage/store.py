@@ -126,6 +126,11 @@ class SlabStore:
             for s in held:
                 self.durable.pop(s, None)
 
+    def names_any(self, slots) -> bool:
+        """Whether the index holds an entry for any of these slots."""
+        with self._lock:
+            return any(s in self.durable for s in slots)
+
     def expected_checksum(self, slot: int) -> int | None:
         with self._lock:
             entry = self.durable.get(slot)

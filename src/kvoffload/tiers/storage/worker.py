@@ -121,8 +121,11 @@ class StorageWorker(TierWorker):
         job = _Job(job_id, is_store, slots, chunks, keys, parts)
         with self._done:
             self._in_flight.add(job_id)
-        if is_store:
-            self._commits.put((job, False))  # first durably forget what the slots held
+        if is_store and self.store.names_any(slots):
+            # first durably forget what the slots held. (Their last owners'
+            # PUTs are all applied: a slot is reused only after its owner's
+            # store completed and it was evicted.)
+            self._commits.put((job, False))
         else:
             self._enqueue_parts(job)
         return True
