@@ -36,6 +36,7 @@ close(tier)
 """
 
 
+@pytest.mark.slow
 def test_restart_in_a_new_process_hits(tmp_path, make_tier, pool):
     path = tmp_path / "store"
     subprocess.run([sys.executable, "-c", WRITER, str(path)], check=True, timeout=120)

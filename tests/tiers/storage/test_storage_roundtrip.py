@@ -2,13 +2,16 @@ import os
 import stat
 
 import numpy as np
+import pytest
 
 from kvoffload.abstractions import LookupResult
 from storage_helpers import CHUNK, CTX, close, expected, fill, key, load, store
 
 
-def test_round_trip_bit_exact(make_tier, pool):
-    tier = make_tier()
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_round_trip_bit_exact(make_tier, pool, direct_io):
+    tier = make_tier(direct_io=direct_io)
+    assert tier.store.direct_io is direct_io
     keys = [key(i) for i in range(8)]
     for c, k in enumerate(keys):
         fill(pool, c, k)
