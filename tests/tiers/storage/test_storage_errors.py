@@ -57,3 +57,17 @@ def test_io_errors_are_failed_jobs_and_misses(make_tier, pool):
     assert tier.get_manager().lookup(key(2), CTX) is LookupResult.MISS
     assert not load(tier, pool, [key(1)], [2], job_id=8)  # a failed read: the caller's miss
     assert tier.get_manager().get_stats().counters.get("checksum_failures", 0) == 0
+
+
+def test_refused_open_leaves_no_lock_behind(tmp_path, make_tier):
+    tier = make_tier()
+    meta = tier.store.dir / "namespace.json"
+    from storage_helpers import close
+
+    close(tier)
+    good = meta.read_text()
+    meta.write_text('{"model": "someone else"}')
+    with pytest.raises(StorageError, match="another namespace"):
+        make_tier()
+    meta.write_text(good)
+    make_tier()  # the failed open released its lock

@@ -51,6 +51,9 @@ class SlabStore:
             self.close()
             raise StorageError(f"storage directory {self.dir}: {os.strerror(e.errno or 0)} "
                                f"({e.filename or self.dir})") from None
+        except BaseException:
+            self.close()
+            raise
         # slot -> (key, checksum) of every durable entry; guarded by _lock
         self.durable = self.index.entries
         self._lock = threading.Lock()
