@@ -44,18 +44,17 @@ class ARCPolicy(EvictionPolicy):
 
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
-        ghosts1, ghosts2 = b1.keys() & keys, b2.keys() & keys  # C-level passes
-        if not ghosts1 and not ghosts2:
-            # No ghost hit: all go to T1, tail oldest (reversed).
+        if len(keys) > 4 and b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys):
+            # No ghost hit in a batch (C-level checks): all go to T1, tail oldest.
             for k in reversed(keys):
                 t1[k] = None
         else:
             for k in reversed(keys):
-                if k in ghosts1:
+                if k in b1:
                     self.p = min(self.p + max(1.0, len(b2) / len(b1)), float(self.capacity))
                     del b1[k]
                     t2[k] = None
-                elif k in ghosts2:
+                elif k in b2:
                     self.p = max(self.p - max(1.0, len(b1) / len(b2)), 0.0)
                     del b2[k]
                     t2[k] = None

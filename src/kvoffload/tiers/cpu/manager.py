@@ -57,7 +57,11 @@ class BlockStateError(KeyError):
 def _check_keys(keys: Collection[object]) -> None:
     """Raise check_key's clear error for the first malformed key. Fast when
     all are fine: only C-level passes over the keys."""
-    if keys and (set(map(type, keys)) != {bytes} or min(map(len, keys)) <= GROUP_BYTES):
+    if len(keys) < 8:  # a plain loop beats building sets for a few keys
+        for k in keys:
+            if type(k) is not bytes or len(k) <= GROUP_BYTES:
+                check_key(k)
+    elif set(map(type, keys)) != {bytes} or min(map(len, keys)) <= GROUP_BYTES:
         for k in keys:
             check_key(k)
 
@@ -65,7 +69,7 @@ def _check_keys(keys: Collection[object]) -> None:
 def prefix_order(keys: list[bytes], ctx: ReqContext | None) -> list[bytes]:
     """Keys head first: by the request's end-token positions when it has them
     (stores may complete out of order, vLLM passes sets), else as given."""
-    if ctx is None:
+    if ctx is None or len(keys) < 2:
         return keys
     positions = ctx._offload_key_positions  # read directly: hot path
     if not positions:
