@@ -34,9 +34,10 @@ from kvoffload.config import parse_bytes
 from kvoffload.tiers.base import HostPool, Namespace
 from kvoffload.tiers.remote import RemoteTier
 from kvoffload.tiers.remote.server import LocalServer, find_benchmark_binary
+from kvoffload.replay.traces import shared_trace_path
 from kvoffload.tiers.remote.value import RemoteLoadStoreSpec
 
-TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE = shared_trace_path()
 
 
 # ---- 1. bandwidth --------------------------------------------------------------------------

@@ -3,7 +3,9 @@ from pathlib import Path
 
 import pytest
 
-MOONCAKE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+from kvoffload.replay.traces import shared_trace_path
+
+MOONCAKE = shared_trace_path()
 
 
 @pytest.fixture

@@ -198,3 +198,19 @@ def _parse(fmt: str, d: dict, path: Path, lineno: int, idx: int, bs: int) -> Req
     chat = d["chat_id"]
     return Request(f"{idx}-{chat}", _num_field(d, "timestamp", path, lineno) * 1000.0, input_length,
                    output_length, hashes, session=str(d.get("parent_chat_id", chat)))
+
+
+def shared_trace_path(name: str = "mooncake_conversation_trace.jsonl") -> Path:
+    """Where the project's shared traces live: $KVOFFLOAD_SHARED_DIR/traces, else
+    ../shared/traces beside the checkout, else /work/shared/traces. The first that
+    holds `name` wins; the checkout's sibling is returned when none does."""
+    import os
+
+    checkout = Path(__file__).resolve().parents[3]
+    candidates = [checkout.parent / "shared", Path("/work/shared")]
+    if os.environ.get("KVOFFLOAD_SHARED_DIR"):
+        candidates.insert(0, Path(os.environ["KVOFFLOAD_SHARED_DIR"]))
+    for base in candidates:
+        if (base / "traces" / name).exists():
+            return base / "traces" / name
+    return candidates[0] / "traces" / name
