@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--markdown", help="write results as Markdown here")
     o.add_argument("--plot-dir", help="write PNG plots here")
     o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port while "
+                   "replaying (0: any free port; watch it live with `kvoffload stats 127.0.0.1:PORT`)")
+    o.add_argument("--events-endpoint", help="publish KV events (vLLM's ZMQ/msgpack format) on this "
+                   "endpoint, e.g. tcp://127.0.0.1:5557")
+    o.add_argument("--hold", type=float, default=0.0,
+                   help="keep the metrics endpoint up this many seconds after the replay")
     p.set_defaults(func=run)
     return p
 
@@ -143,8 +150,34 @@ def build_options(args, trace: Trace, cpu_blocks: str | None = None):
         spec=spec, extra_config=extra, kv_bytes_per_token=kv, gpu_blocks=args.gpu_blocks,
         max_running=args.max_running, arrival=args.arrival, time_compression=args.time_compression,
         prefill_tokens_per_s=args.prefill_tokens_per_s, strict=args.strict, sync_tiers=args.sync_tiers,
-        progress=not args.no_progress,
+        progress=not args.no_progress, metrics=getattr(args, "_metrics", None),
+        events=getattr(args, "_events", None),
     )
+
+
+def _start_observability(args) -> None:
+    """Metrics endpoint and event publisher, shared by every replay of this run."""
+    args._metrics = args._events = None
+    if args.metrics_port is not None:
+        from kvoffload.metrics import PrometheusMetrics
+
+        args._metrics = PrometheusMetrics(config_info={"policy": args.policy, "spec": args.spec or "auto"})
+        port = args._metrics.serve(args.metrics_port)
+        print(f"kvoffload replay: metrics on http://127.0.0.1:{port}/metrics", file=sys.stderr)
+    if args.events_endpoint:
+        from kvoffload.events import ZmqEventPublisher
+
+        args._events = ZmqEventPublisher(args.events_endpoint)
+        print(f"kvoffload replay: KV events on {args._events.endpoint}", file=sys.stderr)
+
+
+def _stop_observability(args) -> None:
+    if getattr(args, "_metrics", None) is not None:
+        if args.hold > 0:
+            time.sleep(args.hold)
+        args._metrics.close()
+    if getattr(args, "_events", None) is not None:
+        args._events.close()
 
 
 def replay_once(trace: Trace, opts, oracle: bool):
@@ -166,6 +199,7 @@ def run(args) -> int:
     from kvoffload.replay import report
 
     try:
+        _start_observability(args)
         trace = _load(args)
         if args.sweep:
             caps = [c.strip() for c in args.sweep.split(",") if c.strip()]
@@ -183,9 +217,11 @@ def run(args) -> int:
             results = [replay_once(trace, opts, args.oracle)]
             points = []
             print(report.format_table(results[0]))
-    except (ConfigError, TraceError) as e:
+    except (ConfigError, TraceError, ValueError) as e:
         print(f"kvoffload replay: {e}", file=sys.stderr)
         return 2
+    finally:
+        _stop_observability(args)
     if args.json:
         report.write_json([report.to_json(r) for r in results] if points else report.to_json(results[0]),
                           args.json)

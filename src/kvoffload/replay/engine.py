@@ -66,6 +66,11 @@ class EngineOptions:
     samples: int = 100  # points of the hit-rate-over-time series
     strict: bool = False  # raise on the first byte mismatch instead of counting it
     progress: bool = True
+    # Observability (off by default, inert when off): a PrometheusMetrics to
+    # feed with the manager's stats and the worker's transfers, and a
+    # ZmqEventPublisher for the manager's KV events.
+    metrics: Any = None
+    events: Any = None
 
 
 @dataclass
@@ -138,6 +143,7 @@ class ReplayEngine:
             groups=(KVGroupConfig(tokens_per_block=bs),),
             cache=CacheConfig(tokens_per_hash=bs, blocks_per_chunk=1),
             extra_config=dict(opts.extra_config),
+            enable_kv_cache_events=opts.events is not None,
         )
         self.spec = build_spec(opts.spec, config)
         self.prompt_only = self.spec.offload_prompt_only
@@ -194,6 +200,8 @@ class ReplayEngine:
         self._mgr_s += time.perf_counter() - t0
         if st is None:
             return
+        if self.opts.metrics is not None:
+            self.opts.metrics.record_stats(st)
         for s in st.walk():
             tier = self._tiers.setdefault(s.tier, {"medium": getattr(s.medium, "value", None),
                                                    "locality": getattr(s.locality, "value", None),
@@ -237,6 +245,8 @@ class ReplayEngine:
             t0 = time.perf_counter()
             self.manager.on_schedule_end(ScheduleEndContext(new_ids, ()))
             self._mgr_s += time.perf_counter() - t0
+            if opts.events is not None:
+                opts.events.publish(self.manager.take_events())
             finished = self._settle()
             if not finished and not new_ids:
                 t0 = time.perf_counter()
@@ -256,6 +266,8 @@ class ReplayEngine:
             if bar is not None and finished:
                 bar.update(finished)
         self._drain_tiers()
+        if opts.events is not None:
+            opts.events.publish(self.manager.take_events())
         wall = time.perf_counter() - t_start
         cpu = time.process_time() - cpu_start
         if bar is not None:
@@ -440,6 +452,9 @@ class ReplayEngine:
             run, is_load, keys, slots, seeds, lo = entry
             run.jobs.discard(res.job_id)
             c = self.c
+            if self.opts.metrics is not None:
+                self.opts.metrics.observe_transfer("cpu", "load" if is_load else "store",
+                                                   res.transfer_size, res.transfer_time, "CPU", "LOCAL")
             if is_load:
                 if res.success:
                     t0 = time.perf_counter()
