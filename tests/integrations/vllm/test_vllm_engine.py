@@ -43,13 +43,17 @@ PROMPT = _prompt(RNG)
 FILLERS = [_prompt(RNG) for _ in range(3)]
 
 
-def start_engine(model: Path, extra_config: dict | None, phases: list[list[list[int]]]) -> subprocess.Popen:
-    """Start one engine process over the phases (see engine_run.py)."""
+def start_engine(model: Path, extra_config: dict | None, phases: list[list[list[int]]],
+                 one_process: bool = True) -> subprocess.Popen:
+    """Start one engine over the phases (see engine_run.py). one_process:
+    vLLM's scheduler and worker in one process ("uni" executor), else the
+    multi-process layout `vllm serve` uses on CPU."""
     job = {"model": str(model), "num_gpu_blocks": GPU_BLOCKS, "max_tokens": MAX_TOKENS, "phases": phases,
            "kv_transfer_config": None if extra_config is None else {
                "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {**SPEC, **extra_config}}}
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if one_process else "1",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
     return subprocess.Popen([sys.executable, str(HERE / "engine_run.py"), json.dumps(job)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=model.parent)
@@ -58,7 +62,7 @@ def start_engine(model: Path, extra_config: dict | None, phases: list[list[list[
 def report(proc: subprocess.Popen) -> list[dict]:
     """Wait for an engine process; its per-phase report."""
     try:
-        out, err = proc.communicate(timeout=280)
+        out, err = proc.communicate(timeout=450)  # a loaded 2-core machine is slow
     except subprocess.TimeoutExpired:
         proc.kill()
         out, err = proc.communicate()
@@ -90,11 +94,15 @@ def engines(model) -> dict[str, list[dict]]:
     """The independent engine runs, started together (start-up dominates).
     reference, no plugin: the prompt, the prompt again (vLLM's own prefix
     cache hit), fillers, the prompt again (recomputed). cpu: the same with
-    the CPU tier. storage: the prompt and fillers with CPU + storage tiers."""
+    the CPU tier. cpu_multiprocess: the CPU tier with the scheduler and the
+    worker in separate processes. storage: the prompt and fillers with CPU +
+    storage tiers."""
     phases = [[PROMPT], [PROMPT], FILLERS, [PROMPT]]
     storage = dict(STORAGE, secondary_tiers=[dict(STORAGE["secondary_tiers"][0], path=str(model.parent / "kv"))])
     procs = {"reference": start_engine(model, None, phases),
              "cpu": start_engine(model, {"kvoffload_spec": "cpu", "cpu_bytes_to_use": "64MiB"}, phases),
+             "cpu_multiprocess": start_engine(model, {"cpu_bytes_to_use": "64MiB"},
+                                              [[PROMPT], FILLERS, [PROMPT]], one_process=False),
              "storage": start_engine(model, storage, [[PROMPT], FILLERS])}
     runs = {name: report(p) for name, p in procs.items()}
     runs["storage_extra"] = storage
@@ -132,6 +140,16 @@ def test_pushed_out_prefix_is_served_from_the_cpu_tier(reference, with_cpu_tier)
     assert metric(fillers, "vllm:kvoffload_stored_blocks[cpu]") == 3 * 8
     # identical to the run where vLLM's own prefix cache served the same 8 blocks
     assert tokens(last) == tokens(reference[1]) == tokens(reference[0])
+
+
+def test_cpu_tier_works_with_scheduler_and_worker_in_separate_processes(engines, reference):
+    """How `vllm serve` runs on CPU: the manager only learns the chunk size
+    from vLLM's config, the worker checks it against the real KV caches."""
+    first, fillers, last = engines["cpu_multiprocess"]
+    assert metric(last, "vllm:external_prefix_cache_hits") == 8 * BLOCK
+    assert metric(last, "vllm:kvoffload_loaded_blocks[cpu]") == 8
+    assert tokens(first) == tokens(reference[0]) and tokens(last) == tokens(reference[1])
+    assert tokens(fillers) == tokens(reference[2])
 
 
 def test_new_engine_process_hits_the_storage_tier(model, engines, reference):
