@@ -6,9 +6,11 @@ group_data_refs[g] in order, gpu_blocks_per_chunk(g) pages of that ref,
 back to back. A ref with a CanonicalPageMapping stores canonical pages
 (canonical_page_size_bytes each) and is copied fragment by fragment
 through its CopyRuns: each fragment is one more "piece" (_group_pieces),
-so mapped and plain refs share all the code below. The CPU pool is this
-rank's own, so every rank writes all of its fragments (is_writer matters
-for tiers that ranks share).
+so mapped and plain refs share all the code below. A pool of this rank's
+own gets all of its fragments. The TP ranks of a node may instead share
+one HostPool (`pool=`, every ref canonical): a chunk then holds whole
+canonical pages, a rank stores only the blocks it is the writer of
+(`is_writer`), and every rank loads its part (see kvoffload/layout.py).
 
 Every job becomes a *plan*: flat arrays of (tensor index, byte offset in
 that tensor, byte offset in the pool, bytes), built with a few numpy ops
@@ -45,6 +47,7 @@ from kvoffload.abstractions import (
     TransferResult,
 )
 from kvoffload.config import OffloadingConfig
+from kvoffload.layout import check_shareable
 from kvoffload.tiers.base import HostPool
 
 logger = logging.getLogger(__name__)
@@ -99,11 +102,13 @@ class _Pieces:
     chunk_offset: np.ndarray  # byte offset of the piece's first page in a chunk
     page_in_chunk: np.ndarray  # bytes between sub-block pages in a chunk
     size: np.ndarray  # bytes
+    num_writers: np.ndarray  # ranks holding the piece's bytes (1 if unmapped)
+    writer_index: np.ndarray  # this rank's turn among them
     min_blocks: int  # block ids must be below this
 
 
 def _group_pieces(kv_caches: CanonicalKVCaches, layout, group: int) -> _Pieces:
-    cols: list[tuple[int, int, int, int, int, int]] = []
+    cols: list[tuple[int, int, int, int, int, int, int, int]] = []
     min_blocks = None
     for ref, offset in layout[group]:
         if not 0 <= ref.tensor_idx < len(kv_caches.tensors):
@@ -120,7 +125,7 @@ def _group_pieces(kv_caches: CanonicalKVCaches, layout, group: int) -> _Pieces:
         min_blocks = t.shape[0] if min_blocks is None else min(min_blocks, t.shape[0])
         page = page_bytes_in_chunk(ref)
         if ref.mapping is None:
-            cols.append((ref.tensor_idx, 0, stride, offset, page, ref.page_size_bytes))
+            cols.append((ref.tensor_idx, 0, stride, offset, page, ref.page_size_bytes, 1, 0))
             continue
         fragments = []  # (local offset, canonical offset, size)
         for run in ref.mapping.runs:
@@ -133,8 +138,10 @@ def _group_pieces(kv_caches: CanonicalKVCaches, layout, group: int) -> _Pieces:
                     fragments[-1] = (fragments[-1][0], fragments[-1][1], fragments[-1][2] + run.fragment_size)
                 else:  # not contiguous with the previous one on both sides
                     fragments.append((lo, co, run.fragment_size))
-        cols += [(ref.tensor_idx, lo, stride, offset + co, page, n) for lo, co, n in fragments]
-    arr = np.array(cols, dtype=np.int64).reshape(-1, 6).T
+        m = ref.mapping
+        cols += [(ref.tensor_idx, lo, stride, offset + co, page, n, m.num_writers, m.writer_index)
+                 for lo, co, n in fragments]
+    arr = np.array(cols, dtype=np.int64).reshape(-1, 8).T
     return _Pieces(*arr, min_blocks=min_blocks or 0)
 
 
@@ -165,7 +172,10 @@ class _Job:
 class CPUOffloadingWorker(OffloadingWorker):
     """Moves chunks between the engine's KV caches and a HostPool it owns."""
 
-    def __init__(self, kv_caches: CanonicalKVCaches, config: OffloadingConfig, num_chunks: int):
+    def __init__(self, kv_caches: CanonicalKVCaches, config: OffloadingConfig, num_chunks: int,
+                 pool: HostPool | None = None):
+        """`pool`: a HostPool shared with the other TP ranks of this node
+        (every ref must then be parallelism-agnostic); None: one of our own."""
         self.kv_caches = kv_caches
         self.config = config
         self.layout, self.chunk_bytes = chunk_layout(kv_caches, config)
@@ -184,8 +194,16 @@ class CPUOffloadingWorker(OffloadingWorker):
         self.use_cuda = self.device.type == "cuda"
         self._pieces = [_group_pieces(kv_caches, self.layout, g) for g in range(len(self.layout))]
         self._block_factor = [config.gpu_blocks_per_chunk(g) for g in range(len(self.layout))]
+        # Writers take turns only in a shared pool: in a private one each
+        # rank must write everything it will load back.
+        self.shared_pool = pool is not None
+        if pool is not None:
+            check_shareable(kv_caches)
+            if pool.num_chunks < num_chunks or pool.chunk_bytes < self.chunk_bytes:
+                raise ValueError(f"shared pool has {pool.num_chunks} chunks of {pool.chunk_bytes} B; "
+                                 f"need {num_chunks} of {self.chunk_bytes} B")
         try:
-            self.pool = HostPool(num_chunks, self.chunk_bytes)
+            self.pool = pool if pool is not None else HostPool(num_chunks, self.chunk_bytes)
         except (OSError, ValueError, OverflowError) as e:
             raise ValueError(f"cannot allocate a host pool of {num_chunks} chunks x {self.chunk_bytes} "
                              f"bytes: {e}") from None
@@ -250,12 +268,16 @@ class CPUOffloadingWorker(OffloadingWorker):
             else:
                 pos = skip + np.arange(len(blocks), dtype=np.int64)  # sub-block position in the job's chunks
                 chunk_base = (slots[pos // k] * self.pool.chunk_bytes)[None, :] + (pos % k)[None, :] * p.page_in_chunk[:, None]
-            parts.append((
+            columns = (
                 np.broadcast_to(p.tensor_idx[:, None], chunk_base.shape),
                 p.src_offset[:, None] + blocks[None, :] * p.block_stride[:, None],
                 chunk_base + p.chunk_offset[:, None],
                 np.broadcast_to(p.size[:, None], chunk_base.shape),
-            ))
+            )
+            if direction == STORE and self.shared_pool:  # only the writer of a block writes it
+                mine = blocks[None, :] % p.num_writers[:, None] == p.writer_index[:, None]
+                columns = tuple(c[mine] for c in columns)  # same (piece-major) order as ravel
+            parts.append(columns)
         if len(parts) == 1:
             arrays = [a.ravel() for a in parts[0]]
         elif parts:
@@ -331,7 +353,8 @@ class CPUOffloadingWorker(OffloadingWorker):
         else:
             self._queue.put(None)
             self._thread.join()
-        self.pool.close()
+        if not self.shared_pool:
+            self.pool.close()  # a shared pool is closed by whoever made it
 
     # ---- CPU: one transfer thread -----------------------------------
 
