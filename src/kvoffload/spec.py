@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-
 from kvoffload.abstractions import OffloadingSpec
-from kvoffload.config import ConfigError, OffloadingConfig
+from kvoffload.config import OffloadingConfig
+from kvoffload.registry import load_class
 
 # name -> "module:Class", imported on first use so optional extras stay optional
 _SPECS: dict[str, str] = {
@@ -27,20 +26,7 @@ def spec_names() -> list[str]:
 
 def get_spec_class(name: str) -> type[OffloadingSpec]:
     """Resolve a registered name or a "module:Class" / "module.Class" path."""
-    target = _SPECS.get(name, name)
-    if ":" in target:
-        module_name, cls_name = target.split(":", 1)
-    elif "." in target:
-        module_name, cls_name = target.rsplit(".", 1)
-    else:
-        raise ConfigError(f"unknown spec {name!r}; known specs: {spec_names()}")
-    try:
-        cls = getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"cannot load spec {name!r} ({target}): {e}") from None
-    if not (isinstance(cls, type) and issubclass(cls, OffloadingSpec)):
-        raise ConfigError(f"spec {name!r} resolves to {cls!r}, which is not an OffloadingSpec")
-    return cls
+    return load_class(name, _SPECS, OffloadingSpec, "spec", "specs")
 
 
 def build_spec(name: str, config: OffloadingConfig) -> OffloadingSpec:

@@ -22,7 +22,6 @@ on_schedule_end(), has_pending_work() and get_stats().
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +43,7 @@ from kvoffload.abstractions import (
     TierFilter,
 )
 from kvoffload.config import ConfigError, OffloadingConfig, check_known_keys, positive_int
+from kvoffload.registry import load_class
 from kvoffload.tiers.base import Namespace, SecondaryTier, TierWorker, align_up
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 from kvoffload.tiers.cpu.spec import CPUOffloadingSpec
@@ -89,18 +89,7 @@ def tier_type_names() -> list[str]:
 
 
 def get_tier_class(name: str) -> type[SecondaryTier]:
-    target = _TIER_TYPES.get(name, name)
-    if ":" not in target:
-        raise ConfigError(f"unknown secondary tier type {name!r}; known types: {tier_type_names()} "
-                          f"(or 'module:Class')")
-    module_name, cls_name = target.split(":", 1)
-    try:
-        cls = getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"cannot load secondary tier type {name!r} ({target}): {e}") from None
-    if not (isinstance(cls, type) and issubclass(cls, SecondaryTier)):
-        raise ConfigError(f"secondary tier type {name!r} is {cls!r}, not a SecondaryTier")
-    return cls
+    return load_class(name, _TIER_TYPES, SecondaryTier, "secondary tier type", "types")
 
 
 # ---- the composing manager --------------------------------------------------

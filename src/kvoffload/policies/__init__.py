@@ -3,9 +3,7 @@ EvictionPolicy subclass."""
 
 from __future__ import annotations
 
-import importlib
-
-from kvoffload.config import ConfigError
+from kvoffload.registry import load_class
 from kvoffload.policies.base import EvictionPolicy
 
 _POLICIES: dict[str, type[EvictionPolicy]] = {}
@@ -22,28 +20,10 @@ def policy_names() -> list[str]:
 
 
 def get_policy_class(name: str) -> type[EvictionPolicy]:
-    """A registered name, or "module:Class" (also "module.Class")."""
-    if not isinstance(name, str):
-        raise ConfigError(f"eviction policy must be a name or 'module:Class', got {name!r}")
-    cls = _POLICIES.get(name.lower())
-    if cls is not None:
-        return cls
-    if ":" in name:
-        module_name, cls_name = name.split(":", 1)
-    elif "." in name:
-        module_name, cls_name = name.rsplit(".", 1)
-    else:
-        raise ConfigError(
-            f"unknown eviction policy {name!r}; known policies: {policy_names()} "
-            f"(or 'module:Class' of an EvictionPolicy subclass)"
-        )
-    try:
-        cls = getattr(importlib.import_module(module_name), cls_name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError(f"cannot load eviction policy {name!r}: {e}; known policies: {policy_names()}") from None
-    if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
-        raise ConfigError(f"eviction policy {name!r} is {cls!r}, not an EvictionPolicy subclass")
-    return cls
+    """A registered name (any case), or "module:Class" (also "module.Class")."""
+    if isinstance(name, str) and name.lower() in _POLICIES:
+        name = name.lower()
+    return load_class(name, _POLICIES, EvictionPolicy, "eviction policy", "policies")
 
 
 from kvoffload.policies.arc import ARCPolicy  # noqa: E402
