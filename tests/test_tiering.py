@@ -334,3 +334,25 @@ def test_spec_storage_shorthand(tmp_path):
     spec.get_manager().shutdown()
     with pytest.raises(ConfigError, match="storage_dir and storage_bytes"):
         build_spec("tiered", cfg(storage_dir=str(tmp_path / "kv2")))
+
+
+def test_one_secondary_hit_promotes_the_rest_of_the_prefix(rig):
+    r = rig(cpu_chunks=8)
+    ctx = r.request()
+    keys = [key(i) for i in range(4)]
+    r.gpu_store(keys, ctx)
+    r.settle()
+    for i in range(10, 18):  # push the prefix out of CPU (it stays in storage)
+        r.gpu_store([key(i)], ctx)
+        r.settle()
+    assert all(r.cpu.slot_of(k) is None for k in keys)
+    again = r.request("again")
+    for pos, k in enumerate(keys):
+        again.set_offload_key_position(k, (pos + 1) * 16)
+    assert r.mgr.lookup(keys[0], again) is PENDING
+    r.settle()  # one step: the whole prefix lands, not just the first block
+    assert [r.mgr.lookup(k, again) for k in keys] == [HIT] * 4
+    slots = r.mgr.prepare_load(keys, again).block_ids
+    for k, slot in zip(keys, slots):
+        np.testing.assert_array_equal(r.pool.chunk(int(slot)), pattern(k))
+    r.mgr.complete_load(keys, again)

@@ -127,6 +127,18 @@ class _RequestState:
     cpu_hits: dict[OffloadKey, None] = field(default_factory=dict)
     jobs: int = 0  # secondary jobs in flight for this request
     finished: bool = False
+    # the request's keys in prefix order (from the scheduler's key positions),
+    # so one secondary hit can queue the rest of the prefix in the same step
+    order: list[OffloadKey] = field(default_factory=list)
+    index: dict[OffloadKey, int] = field(default_factory=dict)
+
+    def later_keys(self, key: OffloadKey, ctx: ReqContext) -> list[OffloadKey]:
+        positions = ctx._offload_key_positions
+        if len(self.order) != len(positions):
+            self.order = sorted(positions, key=positions.__getitem__)
+            self.index = {k: i for i, k in enumerate(self.order)}
+        i = self.index.get(key)
+        return [] if i is None else self.order[i + 1:]
 
 
 class TieringManager(OffloadingManager):
@@ -222,14 +234,33 @@ class TieringManager(OffloadingManager):
             if r is _HIT:
                 q = self._promote_queue.get((i, ctx.req_id))
                 if q is None:
-                    self._promote_queue[(i, ctx.req_id)] = (ctx, [key])
-                else:
-                    q[1].append(key)
+                    q = self._promote_queue[(i, ctx.req_id)] = (ctx, [])
+                q[1].append(key)
                 self._queued.add(key)
+                self._queue_rest_of_prefix(i, t, key, ctx, st, q[1])
                 return _PENDING
             if r is not _MISS:
                 return r  # HIT_PENDING (a write to it is landing) or RETRY
         return _MISS
+
+    def _queue_rest_of_prefix(self, i: int, t: Tier, key: OffloadKey, ctx: ReqContext,
+                              st: _RequestState, queued: list[OffloadKey]) -> None:
+        """Queue the blocks after `key` that this tier holds and CPU lacks, up to
+        the first it does not hold: the scheduler stops at the first
+        HIT_PENDING, so without this a prefix of N blocks would take N steps.
+        Capped at half of CPU so a batch's promotion can still find room."""
+        budget = max(0, self.primary.num_chunks // 2 - len(queued))
+        slot_of = self.primary.slot_of
+        for k in st.later_keys(key, ctx):
+            if budget <= 0:
+                break
+            if slot_of(k) is not None or k in self._queued:
+                continue  # already in (or on its way to) CPU
+            if k in st.failed or t.manager.lookup(k, ctx) is not _HIT:
+                break
+            queued.append(k)
+            self._queued.add(k)
+            budget -= 1
 
     def _flush_promotions(self) -> None:
         queue, self._promote_queue = self._promote_queue, {}
@@ -240,6 +271,9 @@ class TieringManager(OffloadingManager):
             slot_of = self.primary.slot_of
             resident = [k for k in st.cpu_hits if slot_of(k) is not None]
             out = self.primary.prepare_store(resident + keys, ctx)
+            if out is None and len(keys) > 1:  # no room for the look-ahead: the first block alone
+                keys = keys[:1]
+                out = self.primary.prepare_store(resident + keys, ctx)
             if out is None:  # no CPU slot can be freed
                 st.failed.update(keys)
                 t.count("promotion_failures", len(keys))

@@ -50,11 +50,11 @@ def leading_run(blocks: Sequence[int], resident) -> int:
 
 def simulate_lru(requests: Sequence[Sequence[int]], capacity: int) -> OracleResult:
     """LRU the way the replay drives a manager: touch the resident blocks,
-    store the missing ones (evicting least recent, but never the blocks this
-    store names; refused whole if that leaves too few), insert them, then
-    touch the reused blocks again: the request's blocks end most recent
-    head first when its reused blocks precede its new ones (a prefix's tail
-    goes first). The new blocks are not touched: that would be a second use."""
+    store the blocks past the leading hits (evicting least recent, but never
+    the blocks this store names; refused whole if that leaves too few), rank
+    them head first, then touch the reused leading run again: a request's
+    blocks end most recent head first, so a prefix's tail goes first.
+    Stored blocks are not touched again: that would be a second use."""
     cache: OrderedDict[int, None] = OrderedDict()  # least recent first
     hits = refs = 0
     for blocks in requests:
@@ -75,15 +75,20 @@ def simulate_lru(requests: Sequence[Sequence[int]], capacity: int) -> OracleResu
                     victims.append(b)
                     if len(victims) == need:
                         break
-            if len(victims) < need:  # the store is refused
-                missing = []
-            for b in victims if missing else ():
-                del cache[b]
-        for b in reversed(missing):
-            cache[b] = None
-        new = set(missing)
-        for b in reversed(blocks):
-            if b in cache and b not in new:
+            if len(victims) < need:  # the store is refused: nothing changes
+                offered = []
+            else:
+                for b in victims:
+                    del cache[b]
+        # the store ranks what it names (new, or already held past the first
+        # miss) head first, then the reused prefix is touched again
+        for b in reversed(offered):
+            if b in cache:
+                cache.move_to_end(b)
+            else:
+                cache[b] = None
+        for b in reversed(blocks[:n]):
+            if b in cache:  # the store may have evicted a reused block
                 cache.move_to_end(b)
     return OracleResult("lru", capacity, refs, hits)
 
