@@ -137,9 +137,10 @@ class PrefixAwarePolicy(EvictionPolicy):
 
     # -- leaves -------------------------------------------------------------------
 
-    def _follow(self, keys: list[bytes], ctx: ReqContext | None) -> _LastKey | None:
-        """Remember the request's last key; if this call continues the
-        request, the previous last key got a child: un-leaf it."""
+    def _follow(self, keys: list[bytes], ctx: ReqContext | None, stores: bool) -> _LastKey | None:
+        """Remember the request's last key; if this call stores new keys, they
+        continue the request and the previous last key got a child: un-leaf
+        it. (A touch after a store re-uses the head: no child.)"""
         if ctx is None:
             return None
         last = ctx.get_state(_LastKey)
@@ -148,7 +149,7 @@ class PrefixAwarePolicy(EvictionPolicy):
             ctx.set_state(last)
             return last
         st = self.order.get(last.key)
-        if st is not None and last.key != keys[-1] and (st & 7) < 4:
+        if stores and st is not None and last.key != keys[-1] and (st & 7) < 4:
             self.order[last.key] = (st & ~7) | (7 - (st & 7))  # leaf count c -> inner count c
             self.leaf_stats[0] = max(1.0, self.leaf_stats[0] - 1)  # it was counted as a stored leaf
             self.inner_stats[0] += 1
@@ -160,7 +161,7 @@ class PrefixAwarePolicy(EvictionPolicy):
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         if not keys:
             return
-        self._follow(keys, ctx)
+        self._follow(keys, ctx, stores=True)
         order, ghost, ghost_old = self.order, self.ghost, self.ghost_old
         self.clock += len(keys)
         stamp = self.clock << 3
@@ -211,7 +212,7 @@ class PrefixAwarePolicy(EvictionPolicy):
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         if not keys:
             return
-        req = self._follow(keys, ctx)
+        req = self._follow(keys, ctx, stores=False)
         order = self.order
         get, move = order.get, order.move_to_end
         if req is not None:
