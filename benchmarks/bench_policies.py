@@ -19,7 +19,6 @@ operations (touched + inserted keys), as a ratio to LRU in the same run.
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import sys
 import time
@@ -29,6 +28,7 @@ from tqdm import tqdm
 
 from kvoffload.abstractions import ReqContext
 from kvoffload.policies import get_policy_class
+from kvoffload.replay.oracle import simulate_belady
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -129,45 +129,8 @@ def manager_cost(reqs: list[Request], policy: str, capacity: int) -> tuple[float
 
 
 def opt(reqs: list[Request], capacity: int) -> float:
-    """Belady: evict the block used farthest in the future; skip storing a
-    block needed later than every resident one."""
-    flat = [k for _, p, d in reqs for k in p + d]
-    never = len(flat) + 1
-    next_use = [never] * len(flat)
-    last: dict[bytes, int] = {}
-    for i in range(len(flat) - 1, -1, -1):
-        next_use[i] = last.get(flat[i], never)
-        last[flat[i]] = i
-    resident: dict[bytes, int] = {}
-    heap: list[tuple[int, bytes]] = []
-    hits = refs = pos = 0
-    for _, prompt, decode in reqs:
-        refs += len(prompt)
-        for k in prompt:
-            if k not in resident:
-                break
-            hits += 1
-        for k in prompt + decode:
-            nxt = next_use[pos]
-            pos += 1
-            if k in resident:
-                resident[k] = nxt
-                heapq.heappush(heap, (-nxt, k))
-                continue
-            if nxt == never:
-                continue
-            while len(resident) >= capacity:
-                far, victim = heapq.heappop(heap)
-                if resident.get(victim) != -far:
-                    continue  # stale
-                if -far < nxt:
-                    heapq.heappush(heap, (far, victim))
-                    break
-                del resident[victim]
-            if len(resident) < capacity:
-                resident[k] = nxt
-                heapq.heappush(heap, (-nxt, k))
-    return hits / refs
+    """Belady (replay/oracle.py): the best any policy can do."""
+    return simulate_belady([p for _, p, _ in reqs], capacity, [d for _, _, d in reqs]).hit_rate
 
 
 def sweep(name: str, reqs: list[Request], fractions, policies) -> dict:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from kvoffload.abstractions import Locality, OffloadingEvent
+from kvoffload.config import ConfigError
 from kvoffload.keys import OffloadKey, get_offload_block_hash
 
 
@@ -109,7 +110,7 @@ class ZmqEventPublisher:
             self._sock.bind(endpoint)
         except zmq.ZMQError as e:
             self._sock.close()
-            raise ValueError(f"cannot bind KV event endpoint {endpoint!r}: {e}") from None
+            raise ConfigError(f"cannot bind KV event endpoint {endpoint!r}: {e}") from None
         self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self.topic = topic.encode()
         self.dp_rank = data_parallel_rank

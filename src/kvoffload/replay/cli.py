@@ -217,7 +217,7 @@ def run(args) -> int:
             results = [replay_once(trace, opts, args.oracle)]
             points = []
             print(report.format_table(results[0]))
-    except (ConfigError, TraceError, ValueError) as e:
+    except (ConfigError, TraceError) as e:
         print(f"kvoffload replay: {e}", file=sys.stderr)
         return 2
     finally:

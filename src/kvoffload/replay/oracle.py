@@ -93,8 +93,12 @@ def simulate_lru(requests: Sequence[Sequence[int]], capacity: int) -> OracleResu
     return OracleResult("lru", capacity, refs, hits)
 
 
-def simulate_belady(requests: Sequence[Sequence[int]], capacity: int) -> OracleResult:
-    flat = [b for blocks in requests for b in blocks]
+def simulate_belady(requests: Sequence[Sequence[int]], capacity: int,
+                    decode: Sequence[Sequence[int]] | None = None) -> OracleResult:
+    """Belady over the prompts; `decode` (one list per request) are blocks a
+    request stores after its prompt without looking them up."""
+    decode = decode or [()] * len(requests)
+    flat = [b for blocks, more in zip(requests, decode) for b in (*blocks, *more)]
     never = len(flat) + 1
     next_use = [never] * len(flat)
     last: dict[int, int] = {}
@@ -105,9 +109,9 @@ def simulate_belady(requests: Sequence[Sequence[int]], capacity: int) -> OracleR
     heap: list[tuple[int, int]] = []  # (-next use, block), stale entries skipped
     hits = 0
     pos = 0
-    for blocks in requests:
+    for blocks, more in zip(requests, decode):
         hits += leading_run(blocks, resident)
-        for b in blocks:
+        for b in (*blocks, *more):
             nxt = next_use[pos]
             pos += 1
             if b in resident:
@@ -127,4 +131,4 @@ def simulate_belady(requests: Sequence[Sequence[int]], capacity: int) -> OracleR
             if len(resident) < capacity:
                 resident[b] = nxt
                 heapq.heappush(heap, (-nxt, b))
-    return OracleResult("belady", capacity, len(flat), hits)
+    return OracleResult("belady", capacity, sum(len(b) for b in requests), hits)
