@@ -86,3 +86,10 @@ def test_replay_metrics_scraped_over_http():
     assert values[("kvoffload_stored_blocks_total", None)] == cpu["stored_blocks"]
     assert values[("kvoffload_transfer_bytes_count", "load")] == result.counters["load_jobs"]
     assert values[("kvoffload_transfer_bytes_sum", "store")] == result.counters["bytes_stored"]
+
+
+def test_bad_event_endpoint_is_a_clear_cli_error(capsys):
+    from kvoffload.cli import main
+
+    assert main(["replay", "--no-progress", "--events-endpoint", "nonsense://x"]) == 2
+    assert "cannot bind KV event endpoint 'nonsense://x'" in capsys.readouterr().err
