@@ -71,6 +71,10 @@ class KVGroupConfig:
 
     tokens_per_block: int  # tokens per GPU block of this group
     sliding_window: int | None = None  # tokens; None = full attention
+    # What state the group's layers keep: "attention", "mla", or one we refuse
+    # to offload ("mamba", "indexer", ...; see kvoffload.layout.UNSUPPORTED_KINDS).
+    kind: str = "attention"
+    layer_names: tuple[str, ...] = ()  # for messages only
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class CacheConfig:
 
 
 _TOP_KEYS = ("groups", "tokens_per_hash", "blocks_per_chunk", "extra_config", "enable_kv_cache_events")
-_GROUP_KEYS = ("tokens_per_block", "sliding_window")
+_GROUP_KEYS = ("tokens_per_block", "sliding_window", "kind", "layer_names")
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,10 @@ class OffloadingConfig:
             positive_int(g.tokens_per_block, f"groups[{i}].tokens_per_block")
             if g.sliding_window is not None:
                 positive_int(g.sliding_window, f"groups[{i}].sliding_window")
+            if not isinstance(g.kind, str) or not g.kind:
+                raise ConfigError(f"groups[{i}].kind must be a non-empty string, got {g.kind!r}")
+            if not isinstance(g.layer_names, tuple) or not all(isinstance(n, str) for n in g.layer_names):
+                raise ConfigError(f"groups[{i}].layer_names must be a list of strings, got {g.layer_names!r}")
         positive_int(self.cache.tokens_per_hash, "tokens_per_hash")
         positive_int(self.cache.blocks_per_chunk, "blocks_per_chunk")
         chunk = self.cache.tokens_per_chunk
@@ -140,7 +148,10 @@ class OffloadingConfig:
             check_known_keys(g, _GROUP_KEYS, f"groups[{i}]")
             if "tokens_per_block" not in g:
                 raise ConfigError(f"groups[{i}].tokens_per_block is required")
-            groups.append(KVGroupConfig(g["tokens_per_block"], g.get("sliding_window")))
+            names = g.get("layer_names", ())
+            groups.append(KVGroupConfig(g["tokens_per_block"], g.get("sliding_window"),
+                                        g.get("kind", "attention"),
+                                        tuple(names) if isinstance(names, (list, tuple)) else names))
         tokens_per_hash = d.get("tokens_per_hash", groups[0].tokens_per_block if groups else 16)
         cache = CacheConfig(tokens_per_hash, d.get("blocks_per_chunk", 1))
         extra = d.get("extra_config") or {}
@@ -178,8 +189,8 @@ class OffloadingConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "groups": [{"tokens_per_block": g.tokens_per_block, "sliding_window": g.sliding_window}
-                       for g in self.groups],
+            "groups": [{"tokens_per_block": g.tokens_per_block, "sliding_window": g.sliding_window,
+                        "kind": g.kind, "layer_names": list(g.layer_names)} for g in self.groups],
             "tokens_per_hash": self.cache.tokens_per_hash,
             "blocks_per_chunk": self.cache.blocks_per_chunk,
             "extra_config": dict(self.extra_config),

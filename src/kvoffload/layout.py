@@ -39,8 +39,9 @@ from kvoffload.abstractions import (
     CanonicalKVCacheTensor,
     CanonicalPageMapping,
     CopyRun,
+    GPULoadStoreSpec,
 )
-from kvoffload.config import ConfigError
+from kvoffload.config import ConfigError, OffloadingConfig
 
 logger = logging.getLogger(__name__)
 
@@ -396,6 +397,21 @@ def check_offloadable(layers: Sequence[LayerLayout]) -> None:
             _check_layer(layer)
 
 
+def check_config_offloadable(config: OffloadingConfig) -> None:
+    """Refuse (UnsupportedModelError) a config whose KV groups hold state we
+    cannot offload; ConfigError for a kind we do not know."""
+    for i, g in enumerate(config.groups):
+        names = ", ".join(g.layer_names[:3]) + (", ..." if len(g.layer_names) > 3 else "")
+        where = f"groups[{i}]" + (f" (layers {names})" if names else "")
+        if g.kind in UNSUPPORTED_KINDS:
+            raise UnsupportedModelError(
+                f"{where} has kind {g.kind!r}: {UNSUPPORTED_KINDS[g.kind]}; KV offloading "
+                "would serve wrong state, so it is refused for this model")
+        if g.kind not in (ATTENTION, MLA):
+            raise ConfigError(f"{where}: unknown kind {g.kind!r}; known kinds: "
+                              f"{sorted([ATTENTION, MLA, *UNSUPPORTED_KINDS])}")
+
+
 def is_agnostic(kv_caches: CanonicalKVCaches) -> bool:
     """True when every ref has a canonical, parallelism-free mapping."""
     refs = [r for g in kv_caches.group_data_refs for r in g]
@@ -449,3 +465,40 @@ def window_block_indices(num_tokens: int, tokens_per_block: int, sliding_window:
         raise ValueError(f"sliding_window must be positive, got {sliding_window}")
     first = max(0, num_tokens - sliding_window + 1) // tokens_per_block
     return range(min(first, end), end)
+
+
+def window_chunks(config: OffloadingConfig, group: int, num_tokens: int, first_token: int = 0) -> range:
+    """Indices (within the request) of the offloaded chunks of a group that
+    hold tokens [first_token, num_tokens) and that resuming after num_tokens
+    needs: all of them for full attention, for a sliding window only those
+    reaching into it. Whole chunks, so a chunk is never half written."""
+    tpc = config.tokens_per_chunk
+    g = config.groups[group]
+    need = window_block_indices(num_tokens, tpc, g.sliding_window)
+    return range(max(need.start, -(-first_token // tpc)), need.stop)
+
+
+def window_gpu_spec(config: OffloadingConfig, block_tables: Sequence[Sequence[int]], num_tokens: int,
+                    first_token: int = 0) -> tuple[GPULoadStoreSpec, list[range]]:
+    """The GPU side of a store or load of a request's tokens [first_token,
+    num_tokens) (chunk-aligned), with only the blocks each group needs
+    (`window_chunks`); block_tables[g] are the request's GPU block ids of
+    group g, by block index. Returns the spec and, per group, the chunk
+    indices whose keys go with it (in order: group 0's, then group 1's...)."""
+    if len(block_tables) != len(config.groups):
+        raise ValueError(f"{len(block_tables)} block tables for {len(config.groups)} KV groups")
+    ids: list[int] = []
+    sizes, starts, chunks = [], [], []
+    for g, table in enumerate(block_tables):
+        r = window_chunks(config, g, num_tokens, first_token)
+        if config.groups[g].tokens_per_block > config.tokens_per_chunk:
+            raise ValueError(f"group {g}: a GPU block spans several chunks; give whole chunks' blocks")
+        k = config.gpu_blocks_per_chunk(g)
+        lo, hi = r.start * k, r.stop * k
+        if hi > len(table):
+            raise ValueError(f"group {g}: {num_tokens} tokens need {hi} GPU blocks, the table has {len(table)}")
+        ids.extend(table[lo:hi])
+        sizes.append(hi - lo)
+        starts.append(lo)
+        chunks.append(r)
+    return GPULoadStoreSpec(ids, sizes, starts), chunks

@@ -33,6 +33,7 @@ from kvoffload.config import (
     parse_bytes,
     positive_int,
 )
+from kvoffload.layout import check_config_offloadable
 from kvoffload.policies import get_policy_class
 from kvoffload.tiers.base import align_up
 
@@ -50,6 +51,7 @@ class CPUOffloadingSpec(OffloadingSpec):
         extra = config.extra_config
         check_known_keys(extra, self.EXTRA_KEYS, f"{type(self).__name__} extra_config")
         config = self._apply_block_size(config, extra.get("block_size"))
+        check_config_offloadable(config)  # Mamba/SSM or indexer state: refuse, never serve it wrong
         super().__init__(config)
         self.eviction_policy: str = extra.get("eviction_policy", "lru")
         get_policy_class(self.eviction_policy)  # unknown policy: ConfigError now, not at get_manager

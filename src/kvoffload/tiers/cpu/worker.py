@@ -47,7 +47,7 @@ from kvoffload.abstractions import (
     TransferResult,
 )
 from kvoffload.config import OffloadingConfig
-from kvoffload.layout import check_shareable
+from kvoffload.layout import check_config_offloadable, check_shareable
 from kvoffload.tiers.base import HostPool
 
 logger = logging.getLogger(__name__)
@@ -176,6 +176,7 @@ class CPUOffloadingWorker(OffloadingWorker):
                  pool: HostPool | None = None):
         """`pool`: a HostPool shared with the other TP ranks of this node
         (every ref must then be parallelism-agnostic); None: one of our own."""
+        check_config_offloadable(config)
         self.kv_caches = kv_caches
         self.config = config
         self.layout, self.chunk_bytes = chunk_layout(kv_caches, config)
