@@ -3,10 +3,12 @@ block-hash bytes + 4-byte big-endian group index. Enums map by value."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kvoffload import abstractions as ko
 from kvoffload.config import CacheConfig, KVGroupConfig, OffloadingConfig
+from kvoffload.layout import ATTENTION, MLA
 from kvoffload.integrations.vllm._compat import OffloadingConnectorStats, vbase
 from kvoffload.metrics import COUNTERS, GAUGES, PREFIX
 
@@ -29,11 +31,64 @@ _LOCALITY = {loc: vbase.Locality(loc.value) for loc in ko.Locality}
 
 # ---- config -----------------------------------------------------------------
 
-def offloading_config(vconfig: Any, spec_keys: tuple[str, ...] = ()) -> OffloadingConfig:
+def layer_kind(spec: Any) -> tuple[str, int | None]:
+    """(our kind, sliding window in tokens or None) of one vLLM KVCacheSpec."""
+    from vllm.v1 import kv_cache_interface as kvi
+
+    if isinstance(spec, kvi.MambaSpec):
+        return "mamba", None
+    if isinstance(spec, kvi.SlidingWindowSpec):  # SlidingWindowMLASpec too
+        return (MLA if isinstance(spec, kvi.SlidingWindowMLASpec) else ATTENTION), spec.sliding_window
+    if isinstance(spec, kvi.MLAAttentionSpec):  # before FullAttentionSpec, its base
+        return ("indexer" if spec.cache_role is kvi.SparseCacheRole.INDEXER else MLA), None
+    if isinstance(spec, kvi.ChunkedLocalAttentionSpec):  # never looks back past its chunk
+        return ATTENTION, spec.attention_chunk_size
+    if isinstance(spec, kvi.FullAttentionSpec):
+        return ATTENTION, None
+    return f"vllm:{type(spec).__name__}", None  # unknown to us: the spec refuses it
+
+
+def group_kind(layer_specs: Mapping[str, Any]) -> tuple[str, int | None, tuple[str, ...]]:
+    """(kind, sliding window, layer names) of one KV group from its layers'
+    vLLM specs (a UniformTypeKVCacheSpecs group mixes them, e.g. MLA and
+    its sparse indexer): a layer we cannot offload decides the kind, and
+    the names are then those layers'."""
+    kinds = {name: layer_kind(spec) for name, spec in layer_specs.items()}
+    for kind, _ in kinds.values():
+        if kind not in (ATTENTION, MLA):
+            return kind, None, tuple(n for n, (k, _) in kinds.items() if k == kind)
+    windows = [w for _, w in kinds.values()]
+    window = None if None in windows or not windows else max(windows)
+    kind = MLA if kinds and all(k == MLA for k, _ in kinds.values()) else ATTENTION
+    return kind, window, tuple(layer_specs)
+
+
+def model_layer_specs(layer_names: tuple[str, ...]) -> dict[str, Any]:
+    """Each named layer's vLLM KVCacheSpec, split out of UniformTypeKVCacheSpecs,
+    from the model vLLM is loading in this process; {} where there is none
+    (the scheduler's process: its spec learns no kinds, the workers' refuse)."""
+    from vllm.config import get_current_vllm_config_or_none, get_layers_from_vllm_config
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+    cfg = get_current_vllm_config_or_none()
+    if cfg is None:
+        return {}
+    out = {}
+    for name, layer in get_layers_from_vllm_config(cfg, AttentionLayerBase, layer_names).items():
+        spec = layer.get_kv_cache_spec(cfg)
+        if spec is not None:
+            out[name] = spec
+    return out
+
+
+def offloading_config(vconfig: Any, spec_keys: tuple[str, ...] = (),
+                      layer_specs: Mapping[str, Any] | None = None) -> OffloadingConfig:
     """Our OffloadingConfig from vLLM's. spec_keys: the extra_config keys our
     spec accepts; what vLLM knows and the user left out is filled in for them:
     the chunk size (the scheduler-side manager is built before any KV cache
-    exists, maybe in another process) and the namespace of persistent tiers."""
+    exists, maybe in another process) and the namespace of persistent tiers.
+    layer_specs (layer name -> vLLM KVCacheSpec), where known, give each
+    group its kind and sliding window."""
     extra = {k: v for k, v in dict(vconfig.extra_config).items()
              if k not in VLLM_OWNED_KEYS and k != SPEC_KEY}
     bpc = vconfig.cache.blocks_per_chunk
@@ -57,7 +112,11 @@ def offloading_config(vconfig: Any, spec_keys: tuple[str, ...] = ()) -> Offloadi
         # 0.33 bounds sliding windows in chunks; 0.32 does not say (full attention).
         window_chunks = getattr(g, "sliding_window_size_in_chunks", None)
         window = window_chunks * g.tokens_per_block * bpc if window_chunks else None
-        groups.append(KVGroupConfig(g.tokens_per_block, window))
+        kind, names = ATTENTION, tuple(g.layer_names)
+        specs = {n: layer_specs[n] for n in g.layer_names if n in (layer_specs or {})}
+        if specs:
+            kind, window, names = group_kind(specs)
+        groups.append(KVGroupConfig(g.tokens_per_block, window, kind, names))
     config = OffloadingConfig(
         groups=tuple(groups),
         cache=CacheConfig(vconfig.cache.tokens_per_hash, bpc),

@@ -13,6 +13,11 @@ vLLM makes one connector (and spec) for the scheduler and one for the worker.
 When both live in one process (the "uni" executor) they share one kvoffload
 spec, so the manager and the worker are built as a pair, which tiers below
 CPU need: their workers read the CPU worker's host pool.
+
+Model kinds: the worker's process builds its spec while vLLM loads the
+model, so it reads each layer's KVCacheSpec (convert.model_layer_specs) and
+refuses Mamba/SSM and indexer state by layer name; vLLM's scheduler picks
+a sliding-window group's blocks itself (group_sizes, block_indices).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from kvoffload.integrations.vllm import convert
 from kvoffload.integrations.vllm._compat import vbase
 from kvoffload.integrations.vllm.manager import VLLMOffloadingManager
 from kvoffload.integrations.vllm.worker import VLLMOffloadingWorker
+from kvoffload.layout import check_config_offloadable
 from kvoffload.metrics import build_metric_definitions
 from kvoffload.spec import get_spec_class
 
@@ -36,7 +42,11 @@ _SHARED: dict[tuple[str, str, str], tuple[OffloadingSpec, set[str]]] = {}
 
 
 def _shared_spec(engine_id: str, spec_name: str, config: Any) -> tuple[tuple, OffloadingSpec]:
-    key = (engine_id, spec_name, json.dumps(config.to_dict(), sort_keys=True, default=str))
+    # Only the worker's process knows the layers' kinds and windows: leave
+    # them out, so the scheduler's spec still finds the worker's.
+    d = config.to_dict()
+    d["groups"] = [g["tokens_per_block"] for g in d["groups"]]
+    key = (engine_id, spec_name, json.dumps(d, sort_keys=True, default=str))
     if key not in _SHARED:
         _SHARED[key] = (get_spec_class(spec_name)(config), {"manager", "worker"})
     return key, _SHARED[key][0]
@@ -67,7 +77,10 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
             )
         self.spec_name = str(config.extra_config.get(convert.SPEC_KEY, "cpu"))
         spec_cls = get_spec_class(self.spec_name)
-        self.kvoffload_config = convert.offloading_config(config, tuple(_accepted_keys(spec_cls)))
+        layer_names = tuple(n for g in config.groups for n in g.layer_names)
+        self.kvoffload_config = convert.offloading_config(
+            config, tuple(_accepted_keys(spec_cls)), convert.model_layer_specs(layer_names))
+        check_config_offloadable(self.kvoffload_config)  # Mamba, indexers: refused here, by name
         self._key, self.inner = _shared_spec(config.engine_id, self.spec_name, self.kvoffload_config)
         self._manager: VLLMOffloadingManager | None = None
 
