@@ -5,8 +5,10 @@ bf16) are copied into canonical (TP=1) pages. Reference, in the same run: a
 plain contiguous copy of the same number of bytes (what an unmapped page
 costs). Compared: layout.store_pages batched (one strided copy per run),
 store_pages per block, and ctypes.memmove per fragment (the worker's path).
-Second table: CPUOffloadingWorker store jobs through those mappings, against
-the same worker storing unmapped pages of the same size.
+Second table: CPUOffloadingWorker store and load jobs through those
+mappings, against the same worker moving unmapped pages of the same size,
+with GPU block ids and pool slots either reversed (one stretch per job) or
+both shuffled (the worker's worst case: a stretch per two blocks).
 
     .venv/bin/python benchmarks/layout_copy.py
 """
@@ -71,33 +73,43 @@ def case(order: str, tp: int) -> dict[str, float]:
     return out
 
 
-def worker_store_seconds(mapping, local: torch.Tensor) -> float:
-    """Median seconds of one worker store job of every block, page by page."""
+def worker_seconds(mapping, local: torch.Tensor, gpu_ids: list[int], slots: list[int]) -> tuple[float, float]:
+    """Median seconds of one worker store job, then one load job, of every block."""
     kv = make_kv_caches([local])
     kv.group_data_refs[0][0].mapping = mapping
     w = CPUOffloadingWorker(kv, OffloadingConfig.from_dict({"groups": [16]}), local.shape[0])
-    ids = list(range(local.shape[0]))
     job = iter(range(1 << 30))
 
-    def store():
+    def go(direction):
         j = next(job)
-        assert w.submit_store(j, GPULoadStoreSpec(ids[::-1]), CPULoadStoreSpec(ids)), w.last_error
+        if direction == "store":
+            ok = w.submit_store(j, GPULoadStoreSpec(gpu_ids), CPULoadStoreSpec(slots))
+        else:
+            ok = w.submit_load(j, CPULoadStoreSpec(slots), GPULoadStoreSpec(gpu_ids))
+        assert ok, w.last_error
         w.wait({j})
-        w.get_finished()
+        assert all(r.success for r in w.get_finished())
 
     try:
-        return timed(store)
+        return timed(lambda: go("store")), timed(lambda: go("load"))
     finally:
         w.shutdown()
 
 
-def worker_case(order: str, tp: int) -> dict[str, float]:
+def worker_case(order: str, tp: int, ids: str) -> dict[str, float]:
     layer = LayerLayout(16, 8, 128, torch.bfloat16, order=order)
     m = try_layer_mapping(layer, ParallelLayout(0, tp))
     local = torch.randint(0, 256, (NUM_BLOCKS, m.local_page_size_bytes), dtype=torch.uint8)
-    t_ref = worker_store_seconds(None, local)
-    t = worker_store_seconds(m, local)
-    return {"ref_GBps": local.numel() / t_ref / 1e9, "GBps": local.numel() / t / 1e9, "ratio": t_ref / t}
+    if ids == "reversed":  # GPU ids count down, slots up: one stretch per job
+        gpu_ids, slots = list(range(NUM_BLOCKS))[::-1], list(range(NUM_BLOCKS))
+    else:  # both shuffled: stretches of two blocks, the worst case
+        g = torch.Generator().manual_seed(1)
+        gpu_ids, slots = torch.randperm(NUM_BLOCKS, generator=g).tolist(), torch.randperm(NUM_BLOCKS, generator=g).tolist()
+    ref = worker_seconds(None, local, gpu_ids, slots)
+    got = worker_seconds(m, local, gpu_ids, slots)
+    n = local.numel()
+    return {f"{d}_{k}": v for i, d in enumerate(("store", "load"))
+            for k, v in (("ref_GBps", n / ref[i] / 1e9), ("GBps", n / got[i] / 1e9), ("ratio", ref[i] / got[i]))}
 
 
 def main() -> None:
@@ -109,12 +121,15 @@ def main() -> None:
     for o, tp, r in rows:
         cells = [f"{r[k + '_GBps']:5.1f} ({r[k + '_ratio']:.2f}x)" for k in ("batched", "per_block", "memmove_frag")]
         print(f"{o:5} {tp:>3} {r['fragment_B']:>7} {r['plain_GBps']:>10.1f} " + " ".join(f"{c:>15}" for c in cells))
-    wrows = [(o, tp, worker_case(o, tp)) for o, tp in tqdm(cases, desc="worker")]
-    print("CPU worker store job of all blocks; ratio = unmapped store time / mapped store time")
-    print(f"{'order':5} {'tp':>3} {'unmapped GB/s':>13} {'mapped GB/s':>11} {'ratio':>6}")
-    for o, tp, r in wrows:
-        print(f"{o:5} {tp:>3} {r['ref_GBps']:>13.1f} {r['GBps']:>11.1f} {r['ratio']:>5.2f}x")
-
+    wcases = [(o, tp, ids) for o, tp in cases for ids in ("reversed", "shuffled")]
+    wrows = [(o, tp, ids, worker_case(o, tp, ids)) for o, tp, ids in tqdm(wcases, desc="worker")]
+    print("CPU worker job of all blocks (store, then load); ratio = unmapped time / mapped time")
+    print(f"{'order':5} {'tp':>3} {'ids':8} {'store unmapped':>14} {'mapped':>6} {'ratio':>6}"
+          f" {'load unmapped':>13} {'mapped':>6} {'ratio':>6}")
+    for o, tp, ids, r in wrows:
+        print(f"{o:5} {tp:>3} {ids:8} " + " ".join(
+            f"{r[d + '_ref_GBps']:>{w}.1f} {r[d + '_GBps']:>6.1f} {r[d + '_ratio']:>5.2f}x"
+            for d, w in (("store", 14), ("load", 13))))
 
 if __name__ == "__main__":
     main()

@@ -6,6 +6,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from layout_ref import full_cache, rows, shard
 
@@ -155,3 +157,54 @@ def test_a_shared_pool_refuses_opaque_pages():
     with pytest.raises(ValueError, match="shared pool has 4 chunks"):
         CPUOffloadingWorker(kv2, CONFIG, 8, pool=pool)
     pool.close()
+
+
+@pytest.mark.parametrize("order", ["NHD", "HND"])
+def test_replicated_heads_stored_at_tp4_load_at_tp1_and_tp2(order):
+    # 2 KV heads over 4 ranks: ranks 0,1 hold head 0 and take turns writing it, by block
+    layers = [LayerLayout(16, 2, 64, torch.float16, order=order), LayerLayout(16, 2, 64, torch.float16, kv="packed")]
+    fulls = [full_cache(layer, NUM_GPU_BLOCKS, seed=5 + i) for i, layer in enumerate(layers)]
+    storer = Ranks(layers, [[0, 1]], fulls, 4, CONFIG)
+    stored = [0, 1, 7, 8, 3, 2]  # consecutive, a jump, backwards: stretches of every kind
+    sizes = storer.transfer("store", GPULoadStoreSpec(stored), CPULoadStoreSpec([5, 2, 9]))
+    page = 16 * 64 * 2 * 2  # one head, K and V
+    assert sizes == [len(stored) // 2 * len(layers) * page] * 4  # writes spread evenly
+    for tp in (1, 2):
+        loader = Ranks(layers, [[0, 1]], fulls, tp, CONFIG, pool=storer.pool)
+        loaded = [4, 5, 6, 9, 10, 11]
+        loader.transfer("load", GPULoadStoreSpec(loaded), CPULoadStoreSpec([5, 2, 9]))
+        expect_loaded(loader, layers, [[0, 1]], fulls, [list(zip(stored, loaded))])
+        loader.shutdown()
+    storer.shutdown()
+    storer.pool.close()
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_strided_copies_round_trip_any_block_and_slot_order(data):
+    # NHD at TP=2: one fragment per token, so the worker copies through strided views
+    layer = LayerLayout(16, 4, 16, torch.float16)
+    full = full_cache(layer, NUM_GPU_BLOCKS, seed=3)
+    par = ParallelLayout(1, 2)
+    t = shard(full, layer, par)
+    kv = canonical_kv_caches([(t, layer)], [[0]], par)
+    w = CPUOffloadingWorker(kv, CONFIG, NUM_CHUNKS)
+    assert w._strided[0]  # not the per-fragment path
+    n_chunks = data.draw(st.integers(1, 6))
+    skip = data.draw(st.integers(0, 1))
+    n = 2 * n_chunks - skip
+    blocks = data.draw(st.permutations(range(NUM_GPU_BLOCKS)))[:n]
+    slots = data.draw(st.permutations(range(NUM_CHUNKS)))[:n_chunks]
+    if data.draw(st.booleans()):
+        blocks = sorted(blocks, reverse=data.draw(st.booleans()))
+    before = rows(t).clone()
+    gpu = GPULoadStoreSpec(blocks, block_indices=[skip])
+    assert w.submit_store(1, gpu, CPULoadStoreSpec(slots))
+    w.wait({1})
+    t.zero_()
+    assert w.submit_load(2, CPULoadStoreSpec(slots), gpu)
+    w.wait({2})
+    assert all(r.success for r in w.get_finished())
+    for b in range(NUM_GPU_BLOCKS):
+        assert torch.equal(rows(t)[b], before[b] if b in blocks else torch.zeros_like(before[b])), b
+    w.shutdown()

@@ -343,3 +343,15 @@ def test_contiguous_fragments_are_merged(worker_factory):
     assert w._pieces[0].size.tolist() == [1024]
     run(w, 1, "store", GPULoadStoreSpec([5]), CPULoadStoreSpec([1]))
     assert np.array_equal(w.pool.chunk(1)[512:1536], tensors[0][5].numpy().view(np.uint8))
+
+
+@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 2)), max_size=40))
+def test_strided_stretches_cover_the_job_in_order(triples):
+    from kvoffload.tiers.cpu.worker import _strided_segments
+
+    cols = [np.array([t[i] for t in triples], dtype=np.int64) for i in range(3)]
+    got = []
+    for b0, db, s0, ds, u0, du, n in _strided_segments(*cols):
+        assert n == 1 or (db != 0 and (ds != 0) != (du != 0))  # a step numpy slices can take
+        got += [(b0 + i * db, s0 + i * ds, u0 + i * du) for i in range(n)]
+    assert got == triples

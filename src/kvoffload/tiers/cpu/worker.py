@@ -4,13 +4,19 @@ tensors and the host pool, asynchronously.
 Chunk layout inside a pool slot of a key of group g: for each ref of
 group_data_refs[g] in order, gpu_blocks_per_chunk(g) pages of that ref,
 back to back. A ref with a CanonicalPageMapping stores canonical pages
-(canonical_page_size_bytes each) and is copied fragment by fragment
-through its CopyRuns: each fragment is one more "piece" (_group_pieces),
-so mapped and plain refs share all the code below. A pool of this rank's
-own gets all of its fragments. The TP ranks of a node may instead share
-one HostPool (`pool=`, every ref canonical): a chunk then holds whole
-canonical pages, a rank stores only the blocks it is the writer of
-(`is_writer`), and every rank loads its part (see kvoffload/layout.py).
+(canonical_page_size_bytes each). A pool of this rank's own gets all of
+its fragments. The TP ranks of a node may instead share one HostPool
+(`pool=`, every ref canonical): a chunk then holds whole canonical pages,
+a rank stores only the blocks it is the writer of (`is_writer`), and
+every rank loads its part (see kvoffload/layout.py).
+
+A mapped page whose fragments merge into one range is a plain "piece"
+(_group_pieces). Otherwise, on CPU, each CopyRun is a pair of numpy
+strided views (all blocks x fragments; all slots x pages x fragments),
+and a job copies one view slice per stretch of blocks whose ids and pool
+positions advance by a constant step (_strided_segments): one np.copyto
+per block at worst instead of one memmove per fragment. On CUDA every
+fragment is one more piece.
 
 Every job becomes a *plan*: flat arrays of (tensor index, byte offset in
 that tensor, byte offset in the pool, bytes), built with a few numpy ops
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import queue
 import threading
 import time
@@ -107,7 +114,20 @@ class _Pieces:
     min_blocks: int  # block ids must be below this
 
 
-def _group_pieces(kv_caches: CanonicalKVCaches, layout, group: int) -> _Pieces:
+@dataclass
+class _Strided:
+    """A mapped ref copied through strided views (CPU only)."""
+
+    ref: CanonicalKVCacheRef
+    chunk_offset: int  # of its first page in a chunk
+    page_in_chunk: int  # bytes between its pages in a chunk
+    views: list[tuple[np.ndarray, np.ndarray]] | None = None  # per run: (GPU, pool); set at start
+
+
+def _group_pieces(kv_caches: CanonicalKVCaches, layout, group: int,
+                  strided: list[_Strided] | None = None) -> _Pieces:
+    """The group's pieces. With `strided`, mapped refs of several fragments
+    go there instead of becoming one piece per fragment."""
     cols: list[tuple[int, int, int, int, int, int, int, int]] = []
     min_blocks = None
     for ref, offset in layout[group]:
@@ -139,10 +159,44 @@ def _group_pieces(kv_caches: CanonicalKVCaches, layout, group: int) -> _Pieces:
                 else:  # not contiguous with the previous one on both sides
                     fragments.append((lo, co, run.fragment_size))
         m = ref.mapping
+        if strided is not None and len(fragments) > 1:
+            strided.append(_Strided(ref, offset, page))
+            continue
         cols += [(ref.tensor_idx, lo, stride, offset + co, page, n, m.num_writers, m.writer_index)
                  for lo, co, n in fragments]
     arr = np.array(cols, dtype=np.int64).reshape(-1, 8).T
     return _Pieces(*arr, min_blocks=min_blocks or 0)
+
+
+def _strided_segments(b: np.ndarray, s: np.ndarray, u: np.ndarray) -> list[tuple[int, ...]]:
+    """Split a job's (GPU block, pool slot, page in slot) triples into
+    stretches that advance by one constant step, the block by db != 0 and
+    either the slot or the page (not both): (b0, db, s0, ds, u0, du, n);
+    steps are 0 in stretches of one."""
+    n = len(b)
+    if n == 0:
+        return []
+    b, s, u = b.tolist(), s.tolist(), u.tolist()
+    if n == 1:
+        return [(b[0], 0, s[0], 0, u[0], 0, 1)]
+    db, ds, du = np.diff(b), np.diff(s), np.diff(u)
+    ok = (db != 0) & ((ds != 0) != (du != 0))  # a step a numpy slice can take
+    same = np.zeros(n - 1, dtype=bool)  # transition t continues transition t-1
+    same[1:] = ok[1:] & (db[1:] == db[:-1]) & (ds[1:] == ds[:-1]) & (du[1:] == du[:-1])
+    breaks = np.flatnonzero(~same).tolist() + [n - 1]  # where a stretch must stop
+    ok, db, ds, du = ok.tolist(), db.tolist(), ds.tolist(), du.tolist()
+    out, i, k = [], 0, 0
+    while i < n:
+        if i == n - 1 or not ok[i]:
+            out.append((b[i], 0, s[i], 0, u[i], 0, 1))
+            i += 1
+            continue
+        while breaks[k] <= i:
+            k += 1
+        end = breaks[k]  # elements i..end (transitions i..end-1 are alike)
+        out.append((b[i], db[i], s[i], ds[i], u[i], du[i], end - i + 1))
+        i = end + 1
+    return out
 
 
 def _merge_neighbours(tidx, gpu, pool, size):
@@ -167,6 +221,7 @@ class _Job:
     pool_offset: np.ndarray
     size: np.ndarray
     nbytes: int
+    strided: list[tuple[_Strided, list[tuple[int, ...]]]]  # each ref's stretches
 
 
 class CPUOffloadingWorker(OffloadingWorker):
@@ -193,8 +248,15 @@ class CPUOffloadingWorker(OffloadingWorker):
             raise ValueError(f"kv tensors are on several devices: {sorted(map(str, devices))}")
         self.device = devices.pop() if devices else torch.device("cpu")
         self.use_cuda = self.device.type == "cuda"
-        self._pieces = [_group_pieces(kv_caches, self.layout, g) for g in range(len(self.layout))]
+        self._strided: list[list[_Strided]] = [[] for _ in self.layout]
+        self._pieces = [_group_pieces(kv_caches, self.layout, g, None if self.use_cuda else self._strided[g])
+                        for g in range(len(self.layout))]
         self._block_factor = [config.gpu_blocks_per_chunk(g) for g in range(len(self.layout))]
+        self._min_blocks = []  # per group: block ids must be below this
+        for p, sts in zip(self._pieces, self._strided):
+            limits = [p.min_blocks] if len(p.size) else []
+            limits += [kv_caches.tensors[st.ref.tensor_idx].tensor.shape[0] for st in sts]
+            self._min_blocks.append(min(limits, default=0))
         # Writers take turns only in a shared pool: in a private one each
         # rank must write everything it will load back.
         self.shared_pool = pool is not None
@@ -245,9 +307,9 @@ class CPUOffloadingWorker(OffloadingWorker):
             group_slots = slots[slot_start : slot_start + n_chunks]
             block_start += n
             slot_start += n_chunks
-            if n == 0 or len(self._pieces[g].size) == 0 or len(group_slots) < n_chunks:
+            if n == 0 or not (len(self._pieces[g].size) or self._strided[g]) or len(group_slots) < n_chunks:
                 continue  # nothing to copy (a short slot list is reported below)
-            limit = self._pieces[g].min_blocks
+            limit = self._min_blocks[g]
             if blocks.min() < 0 or blocks.max() >= limit:
                 raise ValueError(f"group {g}: GPU block ids must be in [0, {limit}), got {blocks.tolist()}")
             groups.append((g, blocks, group_slots, skip))
@@ -259,10 +321,25 @@ class CPUOffloadingWorker(OffloadingWorker):
         return groups
 
     def _plan(self, job_id: int, direction: str, groups) -> _Job:
-        """The byte ranges of a checked job, neighbours merged."""
-        parts = []
+        """The byte ranges of a checked job, neighbours merged, and the
+        stretches of its strided refs."""
+        parts, strided, strided_bytes = [], [], 0
         for g, blocks, slots, skip in groups:
             p, k = self._pieces[g], self._block_factor[g]
+            if self._strided[g]:
+                pos = skip + np.arange(len(blocks), dtype=np.int64)
+                by_turn: dict[tuple[int, int], list] = {}  # (writers, index) -> stretches
+                for st in self._strided[g]:
+                    m = st.ref.mapping
+                    turn = (m.num_writers, m.writer_index) if direction == STORE and self.shared_pool else (1, 0)
+                    if turn not in by_turn:
+                        mine = blocks % turn[0] == turn[1]
+                        by_turn[turn] = _strided_segments(blocks[mine], slots[pos[mine] // k], pos[mine] % k)
+                    segs = by_turn[turn]
+                    strided.append((st, segs))
+                    strided_bytes += sum(x[-1] for x in segs) * st.ref.page_size_bytes
+            if not len(p.size):
+                continue
             # shape (pieces, blocks): piece-major, so one layer's consecutive pages stay neighbours
             if k == 1:
                 chunk_base = np.broadcast_to((slots * self.pool.chunk_bytes)[None, :], (len(p.size), len(blocks)))
@@ -286,7 +363,7 @@ class CPUOffloadingWorker(OffloadingWorker):
         else:
             arrays = [np.zeros(0, dtype=np.int64) for _ in range(4)]
         tidx, goff, poff, size = _merge_neighbours(*arrays)
-        return _Job(job_id, direction, tidx, goff, poff, size, int(size.sum()))
+        return _Job(job_id, direction, tidx, goff, poff, size, int(size.sum()) + strided_bytes, strided)
 
     # ---- OffloadingWorker -------------------------------------------
 
@@ -363,6 +440,9 @@ class CPUOffloadingWorker(OffloadingWorker):
         self._gpu_base = np.array([kvt.tensor.data_ptr() for kvt in self.kv_caches.tensors] or [0],
                                   dtype=np.int64)
         self._pool_base = self.pool.tensor.data_ptr()
+        for g, sts in enumerate(self._strided):
+            for st in sts:
+                st.views = self._run_views(st, self._block_factor[g])
         self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name="kvoffload-cpu-copy", daemon=True)
         self._thread.start()
@@ -380,8 +460,31 @@ class CPUOffloadingWorker(OffloadingWorker):
             else:
                 self._finish(job_id, job.nbytes, time.perf_counter() - t0)
 
+    def _run_views(self, st: _Strided, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per CopyRun of a strided ref: its fragments in every GPU block,
+        (blocks, fragments, words), and in every pool page, (slots, pages,
+        fragments, words), as numpy views; words of the widest int that
+        every offset and stride allows (wide elements copy faster)."""
+        t = self.kv_caches.tensors[st.ref.tensor_idx].tensor
+        gpu_flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
+        pool_flat = self.pool.array.reshape(-1)
+        g_at, g_stride = t.storage_offset(), t.stride(0)
+        cb, views = self.pool.chunk_bytes, []
+        for r in st.ref.mapping.runs:
+            w = math.gcd(8, g_at + r.local_offset, g_stride, r.local_stride, r.fragment_size, cb,
+                         st.chunk_offset + r.canonical_offset, st.page_in_chunk, r.canonical_stride)
+            dt = np.dtype(f"i{w}") if w > 1 else np.dtype(np.uint8)
+            frag = (r.num_fragments, r.fragment_size // w)
+            gv = np.ndarray((t.shape[0], *frag), dt, gpu_flat, g_at + r.local_offset,
+                            (g_stride, r.local_stride, w))
+            pv = np.ndarray((self.pool.num_chunks, k, *frag), dt, pool_flat, st.chunk_offset + r.canonical_offset,
+                            (cb, st.page_in_chunk, r.canonical_stride, w))
+            views.append((gv, pv))
+        return views
+
     def _copy(self, job: _Job) -> None:
-        """The whole CPU copy path: memmove each byte range."""
+        """The whole CPU copy path: memmove each byte range, np.copyto each
+        stretch of a strided ref (both release the GIL)."""
         gpu = (self._gpu_base[job.tensor_idx] + job.gpu_offset).tolist()
         pool = (self._pool_base + job.pool_offset).tolist()
         memmove = ctypes.memmove
@@ -391,6 +494,22 @@ class CPUOffloadingWorker(OffloadingWorker):
         else:
             for dst, src, n in zip(gpu, pool, job.size.tolist()):
                 memmove(dst, src, n)
+        copyto, store = np.copyto, job.direction == STORE
+        for st, segs in job.strided:
+            for gv, pv in st.views:
+                for b0, db, s0, ds, u0, du, n in segs:
+                    if n == 1:
+                        g, p = gv[b0], pv[s0, u0]
+                    else:  # a stop below 0 would count from the end: None instead
+                        g = gv[b0:b0 + db * n if b0 + db * n >= 0 else None:db]
+                        if du:
+                            p = pv[s0, u0:u0 + du * n if u0 + du * n >= 0 else None:du]
+                        else:
+                            p = pv[s0:s0 + ds * n if s0 + ds * n >= 0 else None:ds, u0]
+                    if store:
+                        copyto(p, g)
+                    else:
+                        copyto(g, p)
 
     # ---- CUDA: own streams and events -------------------------------
 
