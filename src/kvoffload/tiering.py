@@ -43,6 +43,7 @@ from kvoffload.abstractions import (
     TierFilter,
 )
 from kvoffload.config import ConfigError, OffloadingConfig, check_known_keys, positive_int
+from kvoffload.layout import ParallelLayout, parallel_layout_id
 from kvoffload.registry import load_class
 from kvoffload.tiers.base import Namespace, SecondaryTier, TierWorker, align_up
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
@@ -519,17 +520,21 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
                          "max_queue_depth": 256}, ...]
       namespace: {"model": ..., "dtype": ..., "layout": ..., "parallel_layout": ...}
         what must match for persisted blocks to be served (block size and
-        chunk bytes are added from the config)
+        chunk bytes are added from the config; parallel_layout from the KV
+        caches: "agnostic" for canonical pages, else one per TP rank)
+      tp_rank, tp_size             where this worker sits in tensor parallelism
       storage_dir, storage_bytes   shorthand for one more storage tier
       remote_url                   shorthand for one more remote ("redis") tier
 
     The tiers are opened (directories checked, indexes read) as soon as the
     chunk size is known: at construction when kv_bytes_per_chunk /
-    kv_bytes_per_token is given, else at get_worker().
+    kv_bytes_per_token is given, else at get_worker(). Opened before the KV
+    caches exist, they assume opaque per-rank pages; get_worker() reopens
+    them if the pages turn out canonical (they hold nothing before then).
     """
 
     EXTRA_KEYS = CPUOffloadingSpec.EXTRA_KEYS + (
-        "secondary_tiers", "namespace", "storage_dir", "storage_bytes", "remote_url")
+        "secondary_tiers", "namespace", "storage_dir", "storage_bytes", "remote_url", "tp_rank", "tp_size")
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
@@ -557,6 +562,12 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
             raise ConfigError(f"namespace must be a mapping, got {ns!r}")
         check_known_keys(ns, ("model", "dtype", "layout", "parallel_layout"), "namespace")
         self.namespace_fields = {k: str(v) for k, v in ns.items()}
+        tp_rank, tp_size = extra.get("tp_rank", 0), positive_int(extra.get("tp_size", 1), "tp_size")
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+            raise ConfigError(f"tp_rank must be an integer in [0, tp_size={tp_size}), got {tp_rank!r}")
+        self.parallel = ParallelLayout(tp_rank, tp_size)
+        # until the KV caches say otherwise: pages only this rank's layout may read
+        self.parallel_layout = f"tp{tp_size}-rank{tp_rank}"
         self._tiering: TieringManager | None = None
         self._tiers: list[Tier] | None = None
         if self.kv_bytes_per_chunk is not None:
@@ -565,7 +576,7 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
     def namespace(self) -> Namespace:
         groups = ",".join(f"{g.tokens_per_block}/{g.sliding_window or 0}" for g in self.config.groups)
         fields = {"layout": f"groups={groups};tph={self.config.cache.tokens_per_hash}",
-                  **self.namespace_fields}
+                  "parallel_layout": self.parallel_layout, **self.namespace_fields}
         return Namespace(block_size=self.config.tokens_per_chunk,
                          chunk_bytes=align_up(self.kv_bytes_per_chunk), **fields)
 
@@ -597,7 +608,27 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
             self._tiering = TieringManager(primary, self._build_tiers())
         return self._tiering
 
+    def _set_parallel_layout(self, kv_caches: CanonicalKVCaches) -> None:
+        """Namespace.parallel_layout from the pages this rank's pool will hold,
+        so persisted opaque pages are never served to another TP layout."""
+        actual = parallel_layout_id(kv_caches, self.parallel)
+        given = self.namespace_fields.get("parallel_layout")
+        if given is not None and given != actual:
+            raise ConfigError(f"namespace.parallel_layout={given!r}, but this rank's pages are {actual!r}: "
+                              "another layout would read wrong bytes; leave it out (it is derived)")
+        if actual == self.parallel_layout:
+            return
+        self.parallel_layout = actual
+        if self._tiers is not None and given is None:  # opened under the assumed layout: reopen
+            for t in self._tiers:
+                t.manager.shutdown()
+            self._tiers = None
+            tiers = self._build_tiers()
+            if self._tiering is not None:  # no worker attached yet, so its tiers were never used
+                self._tiering.tiers = tiers
+
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
+        self._set_parallel_layout(kv_caches)
         worker = super().get_worker(kv_caches)
         manager = self.get_manager()  # same process: the tiers need the CPU worker's pool
         manager.attach_workers([t.tier.get_worker(worker.pool) for t in manager.tiers])

@@ -99,6 +99,9 @@ def offloading_config(vconfig: Any, spec_keys: tuple[str, ...] = (),
     if ("kv_bytes_per_chunk" in spec_keys and not any(k in extra for k in sizes)
             and len(vconfig.groups) == 1 and vconfig.worker_kv_bytes_per_block > 0):
         extra["kv_bytes_per_chunk"] = vconfig.worker_kv_bytes_per_block * bpc
+    if "tp_size" in spec_keys:  # the namespace keeps each rank's opaque pages apart
+        extra.setdefault("tp_size", vconfig.parallel.tp_size)
+        extra.setdefault("tp_rank", vconfig.parallel.rank % vconfig.parallel.tp_size)
     if "namespace" in spec_keys:
         ns = dict(extra.get("namespace") or {})
         ns.setdefault("model", vconfig.model.name)
