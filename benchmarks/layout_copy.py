@@ -73,8 +73,21 @@ def case(order: str, tp: int) -> dict[str, float]:
     return out
 
 
-def worker_seconds(mapping, local: torch.Tensor, gpu_ids: list[int], slots: list[int]) -> tuple[float, float]:
-    """Median seconds of one worker store job, then one load job, of every block."""
+def paired(fns) -> list[float]:
+    """Median seconds of each fn, timed in turns (so a noisy neighbour hits all alike)."""
+    for fn in fns:
+        fn()  # warm up
+    times = [[] for _ in fns]
+    for _ in range(REPEATS):
+        for t, fn in zip(times, fns):
+            t0 = time.perf_counter()
+            fn()
+            t.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def worker_jobs(mapping, local: torch.Tensor, gpu_ids: list[int], slots: list[int]):
+    """A worker over `local` and its store / load job of every block."""
     kv = make_kv_caches([local])
     kv.group_data_refs[0][0].mapping = mapping
     w = CPUOffloadingWorker(kv, OffloadingConfig.from_dict({"groups": [16]}), local.shape[0])
@@ -90,10 +103,7 @@ def worker_seconds(mapping, local: torch.Tensor, gpu_ids: list[int], slots: list
         w.wait({j})
         assert all(r.success for r in w.get_finished())
 
-    try:
-        return timed(lambda: go("store")), timed(lambda: go("load"))
-    finally:
-        w.shutdown()
+    return w, (lambda: go("store")), (lambda: go("load"))
 
 
 def worker_case(order: str, tp: int, ids: str) -> dict[str, float]:
@@ -105,11 +115,17 @@ def worker_case(order: str, tp: int, ids: str) -> dict[str, float]:
     else:  # both shuffled: stretches of two blocks, the worst case
         g = torch.Generator().manual_seed(1)
         gpu_ids, slots = torch.randperm(NUM_BLOCKS, generator=g).tolist(), torch.randperm(NUM_BLOCKS, generator=g).tolist()
-    ref = worker_seconds(None, local, gpu_ids, slots)
-    got = worker_seconds(m, local, gpu_ids, slots)
+    ref_w, ref_store, ref_load = worker_jobs(None, local, gpu_ids, slots)
+    w, store, load = worker_jobs(m, local, gpu_ids, slots)
+    try:
+        times = dict(zip(("ref_store", "store", "ref_load", "load"), paired([ref_store, store, ref_load, load])))
+    finally:
+        ref_w.shutdown()
+        w.shutdown()
     n = local.numel()
-    return {f"{d}_{k}": v for i, d in enumerate(("store", "load"))
-            for k, v in (("ref_GBps", n / ref[i] / 1e9), ("GBps", n / got[i] / 1e9), ("ratio", ref[i] / got[i]))}
+    return {f"{d}_{k}": v for d in ("store", "load")
+            for k, v in (("ref_GBps", n / times["ref_" + d] / 1e9), ("GBps", n / times[d] / 1e9),
+                         ("ratio", times["ref_" + d] / times[d]))}
 
 
 def main() -> None:

@@ -347,11 +347,14 @@ def test_contiguous_fragments_are_merged(worker_factory):
 
 @given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 2)), max_size=40))
 def test_strided_stretches_cover_the_job_in_order(triples):
-    from kvoffload.tiers.cpu.worker import _strided_segments
+    from kvoffload.tiers.cpu.worker import _strided_stretches
+
+    def indices(i, n):
+        return [i] * n if isinstance(i, int) else list(range(*i.indices(100)))[:n]
 
     cols = [np.array([t[i] for t in triples], dtype=np.int64) for i in range(3)]
     got = []
-    for b0, db, s0, ds, u0, du, n in _strided_segments(*cols):
-        assert n == 1 or (db != 0 and (ds != 0) != (du != 0))  # a step numpy slices can take
-        got += [(b0 + i * db, s0 + i * ds, u0 + i * du) for i in range(n)]
-    assert got == triples
+    for g, (s, u), n in _strided_stretches(*cols):
+        assert n == 1 or (isinstance(g, slice) and isinstance(s, slice) != isinstance(u, slice))
+        got += zip(indices(g, n), indices(s, n), indices(u, n))
+    assert got == [tuple(t) for t in triples]

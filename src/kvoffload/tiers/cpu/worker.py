@@ -14,7 +14,7 @@ A mapped page whose fragments merge into one range is a plain "piece"
 (_group_pieces). Otherwise, on CPU, each CopyRun is a pair of numpy
 strided views (all blocks x fragments; all slots x pages x fragments),
 and a job copies one view slice per stretch of blocks whose ids and pool
-positions advance by a constant step (_strided_segments): one np.copyto
+positions advance by a constant step (_strided_stretches): one np.copyto
 per block at worst instead of one memmove per fragment. On CUDA every
 fragment is one more piece.
 
@@ -168,34 +168,39 @@ def _group_pieces(kv_caches: CanonicalKVCaches, layout, group: int,
     return _Pieces(*arr, min_blocks=min_blocks or 0)
 
 
-def _strided_segments(b: np.ndarray, s: np.ndarray, u: np.ndarray) -> list[tuple[int, ...]]:
+def _span(start: int, step: int, n: int) -> slice:
+    """n indices from start by step (a stop below 0 would count from the end)."""
+    stop = start + step * n
+    return slice(start, stop if stop >= 0 else None, step)
+
+
+def _strided_stretches(b: np.ndarray, s: np.ndarray, u: np.ndarray) -> list[tuple]:
     """Split a job's (GPU block, pool slot, page in slot) triples into
-    stretches that advance by one constant step, the block by db != 0 and
-    either the slot or the page (not both): (b0, db, s0, ds, u0, du, n);
-    steps are 0 in stretches of one."""
+    stretches that advance by one constant step, the block by a nonzero one
+    and either the slot or the page (a numpy slice can take only one):
+    (index into a GPU view, index into a pool view, number of blocks)."""
     n = len(b)
     if n == 0:
         return []
-    b, s, u = b.tolist(), s.tolist(), u.tolist()
-    if n == 1:
-        return [(b[0], 0, s[0], 0, u[0], 0, 1)]
     db, ds, du = np.diff(b), np.diff(s), np.diff(u)
-    ok = (db != 0) & ((ds != 0) != (du != 0))  # a step a numpy slice can take
-    same = np.zeros(n - 1, dtype=bool)  # transition t continues transition t-1
+    ok = (db != 0) & ((ds != 0) != (du != 0))
+    same = np.zeros(max(n - 1, 0), dtype=bool)  # transition t continues transition t-1
     same[1:] = ok[1:] & (db[1:] == db[:-1]) & (ds[1:] == ds[:-1]) & (du[1:] == du[:-1])
     breaks = np.flatnonzero(~same).tolist() + [n - 1]  # where a stretch must stop
+    b, s, u = b.tolist(), s.tolist(), u.tolist()
     ok, db, ds, du = ok.tolist(), db.tolist(), ds.tolist(), du.tolist()
     out, i, k = [], 0, 0
     while i < n:
         if i == n - 1 or not ok[i]:
-            out.append((b[i], 0, s[i], 0, u[i], 0, 1))
+            out.append((b[i], (s[i], u[i]), 1))
             i += 1
             continue
         while breaks[k] <= i:
             k += 1
-        end = breaks[k]  # elements i..end (transitions i..end-1 are alike)
-        out.append((b[i], db[i], s[i], ds[i], u[i], du[i], end - i + 1))
-        i = end + 1
+        m = breaks[k] - i + 1  # elements i..breaks[k]: transitions i..breaks[k]-1 are alike
+        pool = (s[i], _span(u[i], du[i], m)) if du[i] else (_span(s[i], ds[i], m), u[i])
+        out.append((_span(b[i], db[i], m), pool, m))
+        i += m
     return out
 
 
@@ -221,7 +226,7 @@ class _Job:
     pool_offset: np.ndarray
     size: np.ndarray
     nbytes: int
-    strided: list[tuple[_Strided, list[tuple[int, ...]]]]  # each ref's stretches
+    strided: list[tuple[_Strided, list[tuple]]]  # each strided ref with its stretches
 
 
 class CPUOffloadingWorker(OffloadingWorker):
@@ -328,16 +333,15 @@ class CPUOffloadingWorker(OffloadingWorker):
             p, k = self._pieces[g], self._block_factor[g]
             if self._strided[g]:
                 pos = skip + np.arange(len(blocks), dtype=np.int64)
-                by_turn: dict[tuple[int, int], list] = {}  # (writers, index) -> stretches
+                by_turn: dict[tuple[int, int], list] = {}  # (writers, index) -> stretches; refs share them
                 for st in self._strided[g]:
                     m = st.ref.mapping
                     turn = (m.num_writers, m.writer_index) if direction == STORE and self.shared_pool else (1, 0)
-                    if turn not in by_turn:
+                    if turn not in by_turn:  # only the writer of a block writes it
                         mine = blocks % turn[0] == turn[1]
-                        by_turn[turn] = _strided_segments(blocks[mine], slots[pos[mine] // k], pos[mine] % k)
-                    segs = by_turn[turn]
-                    strided.append((st, segs))
-                    strided_bytes += sum(x[-1] for x in segs) * st.ref.page_size_bytes
+                        by_turn[turn] = _strided_stretches(blocks[mine], slots[pos[mine] // k], pos[mine] % k)
+                    strided.append((st, by_turn[turn]))
+                    strided_bytes += sum(x[2] for x in by_turn[turn]) * st.ref.page_size_bytes
             if not len(p.size):
                 continue
             # shape (pieces, blocks): piece-major, so one layer's consecutive pages stay neighbours
@@ -494,22 +498,15 @@ class CPUOffloadingWorker(OffloadingWorker):
         else:
             for dst, src, n in zip(gpu, pool, job.size.tolist()):
                 memmove(dst, src, n)
-        copyto, store = np.copyto, job.direction == STORE
-        for st, segs in job.strided:
+        copyto = np.copyto
+        for st, stretches in job.strided:
             for gv, pv in st.views:
-                for b0, db, s0, ds, u0, du, n in segs:
-                    if n == 1:
-                        g, p = gv[b0], pv[s0, u0]
-                    else:  # a stop below 0 would count from the end: None instead
-                        g = gv[b0:b0 + db * n if b0 + db * n >= 0 else None:db]
-                        if du:
-                            p = pv[s0, u0:u0 + du * n if u0 + du * n >= 0 else None:du]
-                        else:
-                            p = pv[s0:s0 + ds * n if s0 + ds * n >= 0 else None:ds, u0]
-                    if store:
-                        copyto(p, g)
-                    else:
-                        copyto(g, p)
+                if job.direction == STORE:
+                    for g, p, _ in stretches:
+                        copyto(pv[p], gv[g])
+                else:
+                    for g, p, _ in stretches:
+                        copyto(gv[g], pv[p])
 
     # ---- CUDA: own streams and events -------------------------------
 
