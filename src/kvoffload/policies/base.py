@@ -34,6 +34,12 @@ class EvictionPolicy(ABC):
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         """Mark keys recently used (prefix order); unknown keys are ignored."""
 
+    def insert_cold(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        """Track newly stored keys that their request says will not be
+        reused (kv_retention "low"): they should go before every other
+        key, tail first. Default: an ordinary insert (the hint is ignored)."""
+        self.insert(keys, ctx)
+
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         """Re-rank keys (prefix order) as most recent without counting a use:
         the manager calls it when a request that stored them finishes, so a

@@ -22,6 +22,13 @@ class LRUPolicy(EvictionPolicy):
         for k in reversed(keys):
             order[k] = None  # the manager inserts only keys it does not hold
 
+    def insert_cold(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        order = self._order
+        move = order.move_to_end
+        for k in keys:  # head first to the old end: the tail ends up oldest
+            order[k] = None
+            move(k, last=False)
+
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         move = self._order.move_to_end
         for k in reversed(keys):

@@ -209,6 +209,15 @@ class PrefixAwarePolicy(EvictionPolicy):
         self.reused_again += again
         self._count_reuse(leaf_reused, inner_reused, 1, len(keys) - 1)
 
+    def insert_cold(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        # Counted like any store (ghost reuse, leaf state), then queued at
+        # the old end, head first so the tail ends up oldest.
+        self.insert(keys, ctx)
+        move = self.order.move_to_end
+        for k in keys:
+            if k in self.order:
+                move(k, last=False)
+
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         if not keys:
             return

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.config import ConfigError, parse_bytes
-from kvoffload.replay.traces import FORMATS, Trace, TraceError, load_trace
+from kvoffload.replay.traces import FORMATS, Trace, TraceError, load_trace, mark_final_turns
 
 # KV bytes per token (K and V, all layers, bf16) of common models.
 MODEL_PRESETS = {
@@ -36,6 +36,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--limit", type=int, help="replay only the first N requests")
     t.add_argument("--seed", type=int, default=0, help="seed of the generated workload (default 0)")
     t.add_argument("--sessions", type=int, default=200, help="chat sessions of the generated workload (default 200)")
+    t.add_argument("--hint-final-turns", action="store_true",
+                   help="send kv_retention=low with every request whose new blocks no later request reuses "
+                        "(what an application that knows a session's last turn would send; uses the trace's future)")
     s = p.add_argument_group("tiers (passed to the spec's extra_config)")
     s.add_argument("--spec", help="spec name or module:Class (default: cpu; 'tiered' when a storage "
                    "or remote option is given)")
@@ -110,6 +113,13 @@ def _extra_kv(items: list[str]) -> dict[str, Any]:
 
 
 def _load(args) -> Trace:
+    trace = _load_requests(args)
+    if args.hint_final_turns:
+        mark_final_turns(trace)
+    return trace
+
+
+def _load_requests(args) -> Trace:
     if args.trace:
         return load_trace(args.trace, args.format, args.block_size, args.limit)
     from kvoffload.replay.generator import generate_chat

@@ -321,7 +321,7 @@ class ReplayEngine:
             seen = self._seen.get(req.req_id)
             hashes = req.block_hashes
             if seen is None:  # first sight of the request
-                ctx = ReqContext(req.req_id)
+                ctx = ReqContext(req.req_id, req.kv_transfer_params)
                 bs = self.trace.block_size
                 keys = [h.to_bytes(8, "big") + _GROUP0 for h in hashes]
                 for i, k in enumerate(keys):

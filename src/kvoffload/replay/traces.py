@@ -44,6 +44,7 @@ class Request:
     # replay gives them hashes no later prompt can match.
     decode_hashes: list[int] | None = None
     session: str | None = None
+    kv_transfer_params: dict | None = None  # handed to the offloading manager as is
 
 
 @dataclass
@@ -198,6 +199,27 @@ def _parse(fmt: str, d: dict, path: Path, lineno: int, idx: int, bs: int) -> Req
     chat = d["chat_id"]
     return Request(f"{idx}-{chat}", _num_field(d, "timestamp", path, lineno) * 1000.0, input_length,
                    output_length, hashes, session=str(d.get("parent_chat_id", chat)))
+
+
+def mark_final_turns(trace: Trace) -> int:
+    """Give kv_retention "low" to every request none of whose new blocks a
+    later request reuses: the hint an application sends when it knows a
+    session's last turn (an agent's final step, a one-shot job). Uses the
+    trace's future, so a replay with it shows what such hints are worth.
+    Returns how many requests were marked."""
+    first_of: dict[int, int] = {}  # block -> index of the request that first held it
+    continued = [False] * len(trace.requests)
+    for i, r in enumerate(trace.requests):
+        for h in r.block_hashes:
+            j = first_of.setdefault(h, i)
+            if j != i:
+                continued[j] = True
+        for h in r.decode_hashes or ():  # stored after the prompt: a later turn may reuse them
+            first_of.setdefault(h, i)
+    for r, c in zip(trace.requests, continued):
+        if not c:
+            r.kv_transfer_params = {**(r.kv_transfer_params or {}), "kv_retention": "low"}
+    return continued.count(False)
 
 
 def shared_trace_path(name: str = "mooncake_conversation_trace.jsonl") -> Path:

@@ -81,6 +81,33 @@ def prefix_order(keys: list[bytes], ctx: ReqContext | None) -> list[bytes]:
         return sorted(keys, key=lambda k: get(k, _NO_POSITION))
 
 
+class _Retention:
+    """A request's parsed kv_retention hint, cached in its ReqContext."""
+
+    __slots__ = ("low",)
+
+    def __init__(self, low: bool):
+        self.low = low
+
+
+def low_retention(ctx: ReqContext | None) -> bool:
+    """True if the request says its blocks will not be reused
+    (kv_transfer_params {"kv_retention": "low"}: a session's last turn, a
+    one-shot prompt). Such a request stores its new blocks where they are
+    evicted first and refreshes nothing it reads, so shared heads keep the
+    recency other requests gave them."""
+    if ctx is None or not ctx.kv_transfer_params:
+        return False
+    r = ctx.get_state(_Retention)
+    if r is None:
+        v = ctx.kv_transfer_params.get("kv_retention", "normal")
+        if v not in ("low", "normal"):
+            raise ValueError(f"kv_transfer_params.kv_retention must be 'low' or 'normal', got {v!r}")
+        r = _Retention(v == "low")
+        ctx.set_state(r)
+    return r.low
+
+
 class CPUOffloadingManager(OffloadingManager):
     def __init__(
         self,
@@ -187,6 +214,8 @@ class CPUOffloadingManager(OffloadingManager):
         keys = keys if type(keys) is list else list(keys)
         if keys and set(map(type, keys)) != {bytes}:
             _check_keys(keys)
+        if req_context is not None and req_context.kv_transfer_params and low_retention(req_context):
+            return
         self.policy.touch(prefix_order(keys, req_context), req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
@@ -303,7 +332,10 @@ class CPUOffloadingManager(OffloadingManager):
             for s in slots:
                 state[s] = 0
             ordered = prefix_order(pending, req_context)
-            self.policy.insert(ordered, req_context)
+            if req_context is not None and req_context.kv_transfer_params and low_retention(req_context):
+                self.policy.insert_cold(ordered, req_context)
+            else:
+                self.policy.insert(ordered, req_context)
             rec = self._record(req_context)
             if rec is not None:
                 rec[1].extend(ordered)
@@ -321,6 +353,7 @@ class CPUOffloadingManager(OffloadingManager):
     # ---- requests, events, stats -------------------------------------------
 
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        low_retention(req_context)  # a bad hint fails here, at the request's arrival
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -330,7 +363,7 @@ class CPUOffloadingManager(OffloadingManager):
         state = req_context._state
         rec = state.get(self)
         state[self] = _FINISHED
-        if rec is None or rec is _FINISHED:
+        if rec is None or rec is _FINISHED or low_retention(req_context):
             return
         reused, stored, read_back = rec
         if read_back:

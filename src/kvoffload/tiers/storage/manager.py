@@ -24,7 +24,7 @@ from kvoffload.abstractions import (
     RequestOffloadingContext,
 )
 from kvoffload.policies import get_policy_class
-from kvoffload.tiers.cpu.manager import prefix_order
+from kvoffload.tiers.cpu.manager import low_retention, prefix_order
 from kvoffload.tiers.storage.index import MAX_KEY_BYTES
 from kvoffload.tiers.storage.store import SlabStore
 
@@ -123,7 +123,7 @@ class StorageOffloadingManager(OffloadingManager):
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         held = [k for k in keys if k in self._slot_of and k in self.policy]
-        if held:
+        if held and not low_retention(req_context):
             self.policy.touch(prefix_order(held, req_context), req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -184,7 +184,8 @@ class StorageOffloadingManager(OffloadingManager):
             return
         for key in done:
             self._writing.discard(key)
-        self.policy.insert(prefix_order(done, req_context), req_context)
+        insert = self.policy.insert_cold if low_retention(req_context) else self.policy.insert
+        insert(prefix_order(done, req_context), req_context)
         self._count("stored_blocks", len(done))
         self._count("stored_bytes", len(done) * self.store.slot_bytes)
         self._event(done, False)
