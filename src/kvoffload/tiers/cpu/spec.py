@@ -17,6 +17,10 @@ worker then checks the declared size against the real KV caches and raises
 ConfigError on a mismatch (the pool would not hold what the manager counts).
 Without any of them, get_worker() must come first (one process): the size
 is then taken from the KV caches.
+
+A model with a KV group of a kind we cannot offload (config groups[].kind
+"mamba", "ssm", "indexer", ...) is refused at construction with
+UnsupportedModelError naming its layers.
 """
 
 from __future__ import annotations
