@@ -16,8 +16,9 @@ opaque per-rank page (parallelism_agnostic=False), which must then be kept
 apart per rank (see `parallel_layout_id`).
 
 Also here: refusal of model state we cannot offload (Mamba/SSM state,
-sparse-attention indexer caches) and the block range a sliding-window
-group needs.
+sparse-attention indexer caches; check_config_offloadable, by group kind)
+and the chunks a sliding-window group needs (window_chunks,
+window_gpu_spec).
 """
 
 from __future__ import annotations
