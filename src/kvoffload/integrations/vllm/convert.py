@@ -3,6 +3,8 @@ block-hash bytes + 4-byte big-endian group index. Enums map by value."""
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Mapping
 from typing import Any
 
@@ -81,6 +83,14 @@ def model_layer_specs(layer_names: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
+def default_shared_pool_path(vconfig: Any) -> str:
+    """Where the TP ranks of one engine (and DP rank) share their host pool:
+    on /dev/shm (memory, not disk) when there is one; the engine id makes it
+    this run's own."""
+    where = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    return os.path.join(where, f"kvoffload-{vconfig.engine_id}-dp{vconfig.parallel.data_parallel_index}.pool")
+
+
 def offloading_config(vconfig: Any, spec_keys: tuple[str, ...] = (),
                       layer_specs: Mapping[str, Any] | None = None) -> OffloadingConfig:
     """Our OffloadingConfig from vLLM's. spec_keys: the extra_config keys our
@@ -96,9 +106,14 @@ def offloading_config(vconfig: Any, spec_keys: tuple[str, ...] = (),
     # vLLM's bytes per block span all groups; ours are per chunk of one group,
     # so they agree only for one group (else the worker, if in this process,
     # measures it, or the user declares it).
-    if ("kv_bytes_per_chunk" in spec_keys and not any(k in extra for k in sizes)
+    # Under TP a rank's bytes are only its share of a canonical chunk: the
+    # scheduler then reads the chunk size from the shared pool's header.
+    tp = vconfig.parallel.world_size > 1
+    if ("kv_bytes_per_chunk" in spec_keys and not any(k in extra for k in sizes) and not tp
             and len(vconfig.groups) == 1 and vconfig.worker_kv_bytes_per_block > 0):
         extra["kv_bytes_per_chunk"] = vconfig.worker_kv_bytes_per_block * bpc
+    if tp and "shared_pool_path" in spec_keys:
+        extra.setdefault("shared_pool_path", default_shared_pool_path(vconfig))
     if "tp_size" in spec_keys:  # the namespace keeps each rank's opaque pages apart
         extra.setdefault("tp_size", vconfig.parallel.tp_size)
         extra.setdefault("tp_rank", vconfig.parallel.rank % vconfig.parallel.tp_size)

@@ -14,6 +14,15 @@ When both live in one process (the "uni" executor) they share one kvoffload
 spec, so the manager and the worker are built as a pair, which tiers below
 CPU need: their workers read the CPU worker's host pool.
 
+Tensor parallelism (vLLM's mp executor: the scheduler and each TP rank
+are processes): the ranks share one host pool, a file on /dev/shm
+(SharedHostPool; extra_config shared_pool_path to choose it). TP rank 0
+creates it, the others open it, each rank stores its part of every
+canonical page and loads its part back, and the scheduler's manager reads
+the chunk geometry from the file, then removes it (all ranks have it
+mapped by then). vLLM counts a job done when every rank reports it. Pages
+are canonical, so they are those TP=1 would store. CPU tier only for now.
+
 Model kinds: the worker's process builds its spec while vLLM loads the
 model, so it reads each layer's KVCacheSpec (convert.model_layer_specs) and
 refuses Mamba/SSM and indexer state by layer name; vLLM's scheduler picks
@@ -23,6 +32,7 @@ a sliding-window group's blocks itself (group_sizes, block_indices).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 from kvoffload.abstractions import OffloadingSpec
@@ -52,8 +62,8 @@ def _shared_spec(engine_id: str, spec_name: str, config: Any) -> tuple[tuple, Of
     return key, _SHARED[key][0]
 
 
-def _done(key: tuple, role: str) -> None:
-    entry = _SHARED.get(key)
+def _done(key: tuple | None, role: str) -> None:
+    entry = _SHARED.get(key) if key is not None else None
     if entry is not None:
         entry[1].discard(role)
         if not entry[1]:
@@ -67,21 +77,37 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
 
     def __init__(self, config: Any):
         super().__init__(config)
-        if config.parallel.world_size > 1:
-            # Each rank would keep its own host pool under one scheduler-side
-            # manager, and secondary tiers would see every rank write one slot.
+        par = config.parallel
+        self.tensor_parallel = par.world_size > 1
+        if self.tensor_parallel and (par.world_size != par.tp_size or par.pp_size != 1
+                                     or par.pcp_size != 1 or par.dcp_size != 1):
             raise ConfigError(
-                f"kvoffload's vLLM plugin runs one worker per engine for now; "
-                f"world_size={config.parallel.world_size} (tp={config.parallel.tp_size}, "
-                f"pp={config.parallel.pp_size}) is not supported"
+                f"kvoffload's vLLM plugin supports tensor parallelism only; world_size={par.world_size} "
+                f"(tp={par.tp_size}, pp={par.pp_size}, pcp={par.pcp_size}, dcp={par.dcp_size}) is not supported"
             )
         self.spec_name = str(config.extra_config.get(convert.SPEC_KEY, "cpu"))
         spec_cls = get_spec_class(self.spec_name)
+        accepted = _accepted_keys(spec_cls)
+        if self.tensor_parallel and "shared_pool_path" not in accepted:
+            raise ConfigError(f"kvoffload spec {self.spec_name!r} cannot share a host pool between TP ranks "
+                              f"(no shared_pool_path key): tp={par.tp_size} needs one (e.g. \"cpu\")")
         layer_names = tuple(n for g in config.groups for n in g.layer_names)
         self.kvoffload_config = convert.offloading_config(
-            config, tuple(_accepted_keys(spec_cls)), convert.model_layer_specs(layer_names))
+            config, tuple(accepted), convert.model_layer_specs(layer_names))
         check_config_offloadable(self.kvoffload_config)  # Mamba, indexers: refused here, by name
-        self._key, self.inner = _shared_spec(config.engine_id, self.spec_name, self.kvoffload_config)
+        # Our path, not the user's: the scheduler removes it once every rank has it open.
+        self._own_pool_path = self.tensor_parallel and "shared_pool_path" not in config.extra_config
+        if self.tensor_parallel:
+            # TP ranks are processes of their own (vLLM's mp executor): nothing
+            # to pair with; they share the host pool through its file instead.
+            self._key, self.inner = None, spec_cls(self.kvoffload_config)
+            if _has_secondary_tiers(self.inner):
+                raise ConfigError(
+                    f"kvoffload under tensor parallelism (tp={par.tp_size}) runs the CPU tier only for now: "
+                    "secondary tiers (storage, remote) need vLLM's scheduler and worker in one process"
+                )
+        else:
+            self._key, self.inner = _shared_spec(config.engine_id, self.spec_name, self.kvoffload_config)
         self._manager: VLLMOffloadingManager | None = None
 
     def get_manager(self) -> VLLMOffloadingManager:
@@ -94,10 +120,15 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
                 )
             self._manager = VLLMOffloadingManager(self.inner.get_manager())
             _done(self._key, "manager")
+            if self._own_pool_path:
+                # vLLM sets up every worker's KV caches (each rank has mapped
+                # the pool) before it builds its scheduler: the file can go.
+                Path(self.inner.shared_pool_path).unlink(missing_ok=True)
         return self._manager
 
     def get_worker(self, kv_caches: Any) -> VLLMOffloadingWorker:
-        worker = VLLMOffloadingWorker(self.inner.get_worker(convert.kv_caches(kv_caches)))
+        inner = self.inner.get_worker(convert.kv_caches(kv_caches))
+        worker = VLLMOffloadingWorker(inner, getattr(self.inner, "shared_pool", None))
         _done(self._key, "worker")
         return worker
 

@@ -11,8 +11,9 @@ from kvoffload.integrations.vllm._compat import vbase
 
 
 class VLLMOffloadingWorker(vbase.OffloadingWorker):
-    def __init__(self, inner: ko.OffloadingWorker):
+    def __init__(self, inner: ko.OffloadingWorker, shared_pool: Any = None):
         self.inner = inner
+        self.shared_pool = shared_pool  # a SharedHostPool of the TP ranks, closed here
 
     def submit_store(self, job_id: int, src_spec: Any, dst_spec: ko.LoadStoreSpec) -> bool:
         return self.inner.submit_store(job_id, convert.gpu_spec(src_spec), dst_spec)
@@ -32,3 +33,6 @@ class VLLMOffloadingWorker(vbase.OffloadingWorker):
 
     def shutdown(self) -> None:
         self.inner.shutdown()
+        if self.shared_pool is not None:  # its creator (TP rank 0) removes the file if still there
+            self.shared_pool.close()
+            self.shared_pool = None

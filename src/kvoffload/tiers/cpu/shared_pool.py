@@ -6,18 +6,45 @@ MAP_SHARED instead: one process creates it, the other ranks open it by
 path, and every CPUOffloadingWorker given it (`pool=`) sees the same chunk
 slots. Same layout and API as HostPool; which rank writes which block is
 the mappings' business (see kvoffload/layout.py).
+
+The file starts with one 4 KiB header page naming its geometry (so a
+process that does not know the chunk size, such as vLLM's scheduler, can
+read it: `geometry(path)`), then the chunk slots. It appears at `path`
+only once complete (made under a temporary name, then linked), so a rank
+that opens it never sees a half-made pool.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import struct
+import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from kvoffload.tiers.base import ALIGN, HostPool, align_up
+
+MAGIC = b"KVOFFLOAD-POOL-1"
+_HEADER = struct.Struct("<16sQQ")  # magic, num_chunks, used chunk bytes
+
+
+def _read_header(fd: int, path: Path) -> tuple[int, int]:
+    magic, num_chunks, chunk_bytes = _HEADER.unpack(os.pread(fd, _HEADER.size, 0).ljust(_HEADER.size, b"\0"))
+    if magic != MAGIC:
+        raise ValueError(f"{path} is not a kvoffload shared host pool (no header)")
+    return num_chunks, chunk_bytes
+
+
+def _wait_for(path: Path, wait_s: float) -> None:
+    deadline = time.monotonic() + wait_s
+    while not path.exists():
+        if time.monotonic() >= deadline:
+            raise FileNotFoundError(f"no shared host pool at {path} after {wait_s:g} s: "
+                                    "the rank that creates it (TP rank 0) did not")
+        time.sleep(0.01)
 
 
 class SharedHostPool(HostPool):
@@ -31,23 +58,30 @@ class SharedHostPool(HostPool):
         self.chunk_bytes = align_up(chunk_bytes)
         self.used_chunk_bytes = chunk_bytes
         size = self.num_chunks * self.chunk_bytes
-        fd = os.open(self.path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+        if create:
+            if self.path.exists():  # early and clear; the link below is the real check
+                raise FileExistsError(f"{self.path} exists: another engine may use it (remove it if not)")
+            made = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            fd = os.open(made, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        else:
+            fd = os.open(self.path, os.O_RDWR)
         try:
             if create:
-                os.posix_fallocate(fd, 0, size)  # no room: an error now, not SIGBUS on a copy
-            elif os.fstat(fd).st_size != size:
-                raise ValueError(f"{self.path} holds {os.fstat(fd).st_size} bytes, not {num_chunks} chunks "
-                                 f"of {self.chunk_bytes} B: the ranks disagree on the pool")
-            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        except BaseException:
+                os.posix_fallocate(fd, 0, ALIGN + size)  # no room: an error now, not SIGBUS on a copy
+                os.pwrite(fd, _HEADER.pack(MAGIC, num_chunks, chunk_bytes), 0)
+            elif _read_header(fd, self.path) != (num_chunks, chunk_bytes):
+                raise ValueError(f"{self.path} holds {_read_header(fd, self.path)} (chunks, bytes), not "
+                                 f"{num_chunks} chunks of {chunk_bytes} B: the ranks disagree on the pool")
+            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                   offset=ALIGN)
+            self.array = np.frombuffer(self._mmap, dtype=np.uint8).reshape(self.num_chunks, self.chunk_bytes)
             if create:
-                self.path.unlink(missing_ok=True)
-            raise
+                self.array[:, ::ALIGN] = 0  # allocate every page now, not on the copy path
+                os.link(made, self.path)  # appears complete; FileExistsError if another made it meanwhile
         finally:
             os.close(fd)
-        self.array = np.frombuffer(self._mmap, dtype=np.uint8).reshape(self.num_chunks, self.chunk_bytes)
-        if create:
-            self.array[:, ::ALIGN] = 0  # allocate every page now, not on the copy path
+            if create:
+                made.unlink(missing_ok=True)
         self.tensor = torch.from_numpy(self.array)
         self.pinned = False
         if torch.cuda.is_available():
@@ -60,9 +94,27 @@ class SharedHostPool(HostPool):
         return cls(path, num_chunks, chunk_bytes, create=True)
 
     @classmethod
-    def open(cls, path: str | os.PathLike, num_chunks: int, chunk_bytes: int) -> SharedHostPool:
-        """The pool another rank created, checked to have the same geometry."""
+    def open(cls, path: str | os.PathLike, num_chunks: int | None = None, chunk_bytes: int | None = None,
+             wait_s: float = 0.0) -> SharedHostPool:
+        """The pool another rank created, checked to have the given geometry
+        (None: whatever it has); waits up to wait_s for it to appear."""
+        if num_chunks is None or chunk_bytes is None:
+            have = cls.geometry(path, wait_s)
+            num_chunks, chunk_bytes = num_chunks or have[0], chunk_bytes or have[1]
+        else:
+            _wait_for(Path(path), wait_s)
         return cls(path, num_chunks, chunk_bytes, create=False)
+
+    @staticmethod
+    def geometry(path: str | os.PathLike, wait_s: float = 0.0) -> tuple[int, int]:
+        """(num_chunks, chunk_bytes) of the pool at path, waiting up to wait_s for it."""
+        path = Path(path)
+        _wait_for(path, wait_s)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            return _read_header(fd, path)
+        finally:
+            os.close(fd)
 
     def close(self) -> None:
         """Unpin; the creator also removes the file (mappings stay valid)."""

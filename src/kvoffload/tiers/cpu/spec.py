@@ -9,6 +9,11 @@ extra_config keys:
   eviction_policy      "lru" (default), "arc" or "module:Class"
   block_size           tokens per offloaded chunk (instead of blocks_per_chunk)
   offload_prompt_only, self_describing_kv_events   see OffloadingSpec
+  shared_pool_path     a file (e.g. on /dev/shm) holding one host pool for all
+                       TP ranks of a node, which may be processes: TP rank 0's
+                       worker creates it, the others open it (waiting for it),
+                       each stores its part of the canonical pages
+  tp_rank, tp_size     where this worker sits in tensor parallelism
 
 The manager lives in the scheduler and is built before any KV cache exists,
 so with cpu_bytes_to_use it needs the chunk size up front: give
@@ -16,7 +21,8 @@ kv_bytes_per_chunk / kv_bytes_per_token, or num_cpu_chunks instead. The
 worker then checks the declared size against the real KV caches and raises
 ConfigError on a mismatch (the pool would not hold what the manager counts).
 Without any of them, get_worker() must come first (one process): the size
-is then taken from the KV caches.
+is then taken from the KV caches, or, with shared_pool_path, from the pool
+file the workers made (a manager in another process reads its header).
 
 A model with a KV group of a kind we cannot offload (config groups[].kind
 "mamba", "ssm", "indexer", ...) is refused at construction with
@@ -41,12 +47,17 @@ from kvoffload.layout import check_config_offloadable
 from kvoffload.policies import get_policy_class
 from kvoffload.tiers.base import align_up
 
+# How long a process waits for TP rank 0 to make the shared pool file
+# (ranks start together, but a loaded node is slow).
+POOL_WAIT_S = 300.0
+
 
 class CPUOffloadingSpec(OffloadingSpec):
     # Subclasses extend this with their own keys.
     EXTRA_KEYS: ClassVar[tuple[str, ...]] = (
         "cpu_bytes_to_use", "num_cpu_chunks", "kv_bytes_per_chunk", "kv_bytes_per_token",
         "eviction_policy", "block_size", "offload_prompt_only", "self_describing_kv_events",
+        "shared_pool_path", "tp_rank", "tp_size",
         # read by the spec registry / vLLM's connector, not by us
         "spec_name", "spec_module_path",
     )
@@ -72,6 +83,15 @@ class CPUOffloadingSpec(OffloadingSpec):
                 self.num_chunks = self._chunks_for(self.kv_bytes_per_chunk)
         else:
             raise ConfigError("CPU offloading needs extra_config cpu_bytes_to_use (or num_cpu_chunks)")
+        tp_size = positive_int(extra.get("tp_size", 1), "tp_size")
+        self.tp_rank = extra.get("tp_rank", 0)
+        if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < tp_size:
+            raise ConfigError(f"tp_rank must be an integer in [0, tp_size={tp_size}), got {self.tp_rank!r}")
+        path = extra.get("shared_pool_path")
+        if path is not None and (not isinstance(path, str) or not path):
+            raise ConfigError(f"shared_pool_path must be a file path, got {path!r}")
+        self.shared_pool_path: str | None = path
+        self.shared_pool = None  # the SharedHostPool this process's worker uses, if any
         self._manager = None
         self._worker = None
 
@@ -115,6 +135,8 @@ class CPUOffloadingSpec(OffloadingSpec):
         if self._manager is None:
             from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 
+            if self.num_chunks is None and self.shared_pool_path is not None:
+                self._take_pool_geometry()
             if self.num_chunks is None:
                 raise ConfigError(
                     "cpu_bytes_to_use alone does not say how many chunks fit before the KV caches "
@@ -143,5 +165,36 @@ class CPUOffloadingSpec(OffloadingSpec):
         self.kv_bytes_per_chunk = chunk_bytes
         if self._manager is not None:
             self._manager.chunk_bytes = chunk_bytes
-        self._worker = CPUOffloadingWorker(kv_caches, self.config, self.num_chunks)
+        pool = self._shared_pool(kv_caches, chunk_bytes) if self.shared_pool_path is not None else None
+        try:
+            self._worker = CPUOffloadingWorker(kv_caches, self.config, self.num_chunks, pool=pool)
+        except BaseException:
+            if pool is not None:
+                pool.close()
+            raise
+        self.shared_pool = pool
         return self._worker
+
+    def _shared_pool(self, kv_caches: CanonicalKVCaches, chunk_bytes: int):
+        """TP rank 0 makes the pool file, the other ranks open it."""
+        from kvoffload.layout import check_shareable
+        from kvoffload.tiers.cpu.shared_pool import SharedHostPool
+
+        try:
+            check_shareable(kv_caches)
+        except ValueError as e:
+            raise ConfigError(f"shared_pool_path={self.shared_pool_path!r} needs canonical pages "
+                              f"(all KV heads of a block in one page): {e}") from None
+        if self.tp_rank == 0:
+            return SharedHostPool.create(self.shared_pool_path, self.num_chunks, chunk_bytes)
+        return SharedHostPool.open(self.shared_pool_path, self.num_chunks, chunk_bytes, wait_s=POOL_WAIT_S)
+
+    def _take_pool_geometry(self) -> None:
+        """Chunk count and size from the pool file the workers made."""
+        from kvoffload.tiers.cpu.shared_pool import SharedHostPool
+
+        num_chunks, chunk_bytes = SharedHostPool.geometry(self.shared_pool_path, POOL_WAIT_S)
+        if self.kv_bytes_per_chunk is not None and self.kv_bytes_per_chunk != chunk_bytes:
+            raise ConfigError(f"extra_config declares {self.kv_bytes_per_chunk} KV bytes per chunk, but the "
+                              f"shared pool {self.shared_pool_path} holds chunks of {chunk_bytes}")
+        self.num_chunks, self.kv_bytes_per_chunk = num_chunks, chunk_bytes
