@@ -3,10 +3,13 @@
 Run as a script (vLLM may spawn workers, so the work sits under __main__):
     python engine_run.py '<json job>'
 job: {"model": dir, "kv_transfer_config": {...} | null, "num_gpu_blocks": int,
-      "phases": [[prompt token ids, ...], ...], "max_tokens": int}
+      "phases": [[prompt token ids, ...], ...], "max_tokens": int,
+      "tensor_parallel_size": int (1), "pool_dump": file (none)}
 Each phase's prompts run one generate() call each, in order. The report has,
 per phase: the generated tokens, seconds per prompt, and deltas of vLLM's
-external prefix-cache hits and of kvoffload's per-tier counters.
+external prefix-cache hits and of kvoffload's per-tier counters. With
+pool_dump, the host pool the ranks share (extra_config shared_pool_path) is
+saved there (numpy, chunks x bytes) after the phases.
 """
 
 from __future__ import annotations
@@ -42,7 +45,8 @@ def main(job: dict) -> dict:
     kwargs = dict(model=job["model"], skip_tokenizer_init=True, enforce_eager=True,
                   block_size=32, max_model_len=job.get("max_model_len", 512),
                   num_gpu_blocks_override=job["num_gpu_blocks"], disable_log_stats=False,
-                  enable_prefix_caching=True, seed=0, gpu_memory_utilization=0.1, dtype=job.get("dtype", "bfloat16"))
+                  enable_prefix_caching=True, seed=0, gpu_memory_utilization=0.1, dtype=job.get("dtype", "bfloat16"),
+                  tensor_parallel_size=job.get("tensor_parallel_size", 1))
     if job.get("kv_transfer_config"):
         kwargs["kv_transfer_config"] = KVTransferConfig(**job["kv_transfer_config"])
     llm = LLM(**kwargs)
@@ -60,6 +64,13 @@ def main(job: dict) -> dict:
         delta = {k: v - before.get(k, 0) for k, v in after.items()}  # counters: this phase
         report["phases"].append({"tokens": tokens, "seconds": seconds, "metrics": delta})
         before = after
+    if job.get("pool_dump"):
+        import numpy as np
+
+        from kvoffload.tiers.cpu.shared_pool import SharedHostPool
+
+        path = job["kv_transfer_config"]["kv_connector_extra_config"]["shared_pool_path"]
+        np.save(job["pool_dump"], SharedHostPool.open(path).array)
     llm.llm_engine.engine_core.shutdown()  # flushes tiers (persistent index) before exit
     return report
 

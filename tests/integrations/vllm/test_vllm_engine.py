@@ -43,17 +43,29 @@ PROMPT = _prompt(RNG)
 FILLERS = [_prompt(RNG) for _ in range(3)]
 
 
+def omp_threads_bind(ranks: int) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND giving each TP rank its share of our CPUs
+    (vLLM's "auto" wants a NUMA node per rank)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per = max(1, len(cpus) // ranks)
+    return "|".join(",".join(map(str, cpus[r * per:(r + 1) * per] or cpus[:1])) for r in range(ranks))
+
+
 def start_engine(model: Path, extra_config: dict | None, phases: list[list[list[int]]],
-                 one_process: bool = True) -> subprocess.Popen:
+                 one_process: bool = True, tp: int = 1, pool_dump: Path | None = None) -> subprocess.Popen:
     """Start one engine over the phases (see engine_run.py). one_process:
     vLLM's scheduler and worker in one process ("uni" executor), else the
-    multi-process layout `vllm serve` uses on CPU."""
+    multi-process layout `vllm serve` uses on CPU (always so for tp > 1).
+    pool_dump: where to save the shared host pool (shared_pool_path) at the end."""
     job = {"model": str(model), "num_gpu_blocks": GPU_BLOCKS, "max_tokens": MAX_TOKENS, "phases": phases,
+           "tensor_parallel_size": tp, "pool_dump": str(pool_dump) if pool_dump else None,
            "kv_transfer_config": None if extra_config is None else {
                "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {**SPEC, **extra_config}}}
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0" if one_process else "1",
            "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(tp)
     return subprocess.Popen([sys.executable, str(HERE / "engine_run.py"), json.dumps(job)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             cwd=model.parent)
@@ -95,17 +107,23 @@ def engines(model) -> dict[str, list[dict]]:
     reference, no plugin: the prompt, the prompt again (vLLM's own prefix
     cache hit), fillers, the prompt again (recomputed). cpu: the same with
     the CPU tier. cpu_multiprocess: the CPU tier with the scheduler and the
-    worker in separate processes. storage: the prompt and fillers with CPU +
-    storage tiers."""
+    worker in separate processes, its pool a shared one (saved at the end).
+    tp2: the same at tensor_parallel_size=2. storage: the prompt and fillers
+    with CPU + storage tiers."""
     phases = [[PROMPT], [PROMPT], FILLERS, [PROMPT]]
     storage = dict(STORAGE, secondary_tiers=[dict(STORAGE["secondary_tiers"][0], path=str(model.parent / "kv"))])
+    pools = {tp: model.parent / f"shm-tp{tp}.pool" for tp in (1, 2)}
+    shared = {tp: {"cpu_bytes_to_use": "4MiB", "shared_pool_path": str(pools[tp])} for tp in (1, 2)}
     procs = {"reference": start_engine(model, None, phases),
              "cpu": start_engine(model, {"kvoffload_spec": "cpu", "cpu_bytes_to_use": "64MiB"}, phases),
-             "cpu_multiprocess": start_engine(model, {"cpu_bytes_to_use": "64MiB"},
-                                              [[PROMPT], FILLERS, [PROMPT]], one_process=False),
+             "cpu_multiprocess": start_engine(model, shared[1], [[PROMPT], FILLERS, [PROMPT]], one_process=False,
+                                              pool_dump=model.parent / "pool-tp1.npy"),
+             "tp2": start_engine(model, shared[2], [[PROMPT], FILLERS, [PROMPT]], one_process=False, tp=2,
+                                 pool_dump=model.parent / "pool-tp2.npy"),
              "storage": start_engine(model, storage, [[PROMPT], FILLERS])}
     runs = {name: report(p) for name, p in procs.items()}
     runs["storage_extra"] = storage
+    runs["pools_left"] = [p for p in pools.values() if p.exists()]
     return runs
 
 
@@ -161,3 +179,42 @@ def test_new_engine_process_hits_the_storage_tier(model, engines, reference):
     assert metric(second, "vllm:kvoffload_loaded_blocks[storage]") == 8
     assert metric(second, "vllm:external_prefix_cache_hits") == 8 * BLOCK
     assert tokens(second) == tokens(reference[0])
+
+
+def test_tp2_serves_a_pushed_out_prefix_from_the_shared_pool(engines, reference):
+    """Two TP rank processes store their KV heads into one host pool and
+    load them back: the repeat hits all 8 blocks, with the output of the
+    computed run (and of TP=1)."""
+    first, fillers, last = engines["tp2"]
+    assert metric(first, "vllm:kvoffload_stored_blocks[cpu]") == 8
+    assert metric(fillers, "vllm:kvoffload_stored_blocks[cpu]") == 3 * 8
+    assert metric(last, "vllm:prefix_cache_hits") == 0
+    assert metric(last, "vllm:external_prefix_cache_hits") == 8 * BLOCK
+    assert metric(last, "vllm:kvoffload_loaded_blocks[cpu]") == 8
+    assert tokens(last) == tokens(first)
+    assert tokens(first) == tokens(reference[0]) and tokens(fillers) == tokens(reference[2])
+    assert engines["pools_left"] == []  # TP rank 0 removed the pool file at shutdown
+
+
+def test_tp2_stores_the_pages_tp1_stores(model, engines):
+    """The same prompts at TP=1 and TP=2 fill the same slots with canonical
+    pages (each rank wrote its KV head). Layer 0's KV comes straight from
+    the embeddings: byte for byte equal. Layer 1's input went through TP=2's
+    all-reduce (another summing order), so its bf16 values may differ by a
+    rounding step; a misplaced head would differ by far more."""
+    import numpy as np
+    import torch
+
+    tp1, tp2 = np.load(model.parent / "pool-tp1.npy"), np.load(model.parent / "pool-tp2.npy")
+    assert tp1.shape == tp2.shape
+    used = [i for i in range(len(tp1)) if tp1[i].any()]
+    assert len(used) == 4 * 8 and [i for i in range(len(tp2)) if tp2[i].any()] == used
+    page = 2 * BLOCK * 2 * 32 * 2  # K and V x tokens x 2 KV heads x head_dim 32 x bf16, per layer
+    assert len(tp1[0]) == 2 * page  # 2 layers
+    tp1, tp2 = tp1[used], tp2[used]
+    assert np.array_equal(tp1[:, :page], tp2[:, :page])
+    a, b = (torch.from_numpy(np.ascontiguousarray(p[:, page:])).view(torch.bfloat16).float() for p in (tp1, tp2))
+    assert torch.allclose(a, b, rtol=1 / 64, atol=1 / 64)
+    # the tolerance does tell layouts apart: halves of K and of V swapped (heads misplaced) are far off
+    swapped = b.reshape(len(b), 2, 2, -1).flip(2).reshape(len(b), -1)
+    assert not torch.allclose(a, swapped, rtol=1 / 64, atol=1 / 64)
