@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (  #
 from vllm.v1.kv_offload import base as vbase  # noqa: E402
 from vllm.v1.kv_offload import config as vconf  # noqa: E402
 
+from kvoffload.abstractions import OffloadingSpec as KOOffloadingSpec  # noqa: E402
 from kvoffload.config import ConfigError  # noqa: E402
 from kvoffload.integrations.vllm import KVOffloadingSpec  # noqa: E402
 from kvoffload.integrations.vllm._compat import UnsupportedVLLMError, check_vllm_version  # noqa: E402
@@ -123,11 +124,13 @@ def test_pipeline_parallel_is_refused():
         KVOffloadingSpec(vllm_config({"cpu_bytes_to_use": "1MiB"}, world_size=2, pp_size=2))
 
 
-def test_tensor_parallel_runs_the_cpu_tier_only(tmp_path):
-    extra = {"kvoffload_spec": "tiered", "cpu_bytes_to_use": "1MiB",
-             "secondary_tiers": [{"type": "storage", "path": str(tmp_path), "capacity_bytes": "4MiB"}]}
-    with pytest.raises(ConfigError, match="tp=2.* CPU tier only"):
-        KVOffloadingSpec(vllm_config(extra, world_size=2, engine_id=f"tp-tiers-{uuid.uuid4()}"))
+def test_tensor_parallel_needs_a_spec_that_shares_its_pool():
+    with pytest.raises(ConfigError, match="cannot share a host pool between TP ranks"):
+        KVOffloadingSpec(vllm_config({"kvoffload_spec": f"{__name__}:PlainSpec"}, world_size=2))
+
+
+class PlainSpec(KOOffloadingSpec):
+    """A kvoffload spec with no shared_pool_path key."""
 
 
 def test_secondary_tiers_need_the_worker_in_the_same_process(tmp_path):
@@ -335,6 +338,64 @@ def test_tp2_ranks_share_one_pool_and_store_what_tp1_stores():
         assert all(torch.equal(t[dst], x) for t, x in zip(local, want))
     for w in workers + [tp1_worker]:
         w.shutdown()
+
+
+def _canonical_tp1(full: list[torch.Tensor]) -> vbase.CanonicalKVCaches:
+    """TP=1 caches as vLLM gives them: each page is its own canonical page."""
+    run = vbase.CopyRun(0, 0, 2 * PAGE, 1, 2 * PAGE, 2 * PAGE)
+    mapping = vbase.CanonicalPageMapping(2 * PAGE, 2 * PAGE, (run,), 1, 0, True)
+    return vbase.CanonicalKVCaches(
+        tensors=[vbase.CanonicalKVCacheTensor(t, 2 * PAGE) for t in full],
+        group_data_refs=[[vbase.CanonicalKVCacheRef(i, 2 * PAGE, mapping) for i in range(LAYERS)]])
+
+
+def test_tp2_storage_tier_serves_a_tp1_engine(tmp_path):
+    """Under TP the storage tier runs beside the scheduler's manager on the
+    shared pool; what TP=2 ranks stored is read back by a TP=1 engine."""
+    from kvoffload.abstractions import LookupResult, ScheduleEndContext
+
+    extra = {"kvoffload_spec": "tiered", "cpu_bytes_to_use": "1MiB",
+             "secondary_tiers": [{"type": "storage", "path": str(tmp_path / "kv"), "capacity_bytes": "4MiB"}]}
+    engine = f"tp2-storage-{uuid.uuid4()}"
+    g = torch.Generator().manual_seed(2)
+    full = [torch.randint(-128, 128, (NUM_GPU_BLOCKS, 2 * PAGE), dtype=torch.int8, generator=g)
+            for _ in range(LAYERS)]
+    ranks = [KVOffloadingSpec(vllm_config(extra, world_size=2, rank=r, engine_id=engine)) for r in (0, 1)]
+    workers = [spec.get_worker(tp2_kv_caches(full, r)[1]) for r, spec in enumerate(ranks)]
+    m = KVOffloadingSpec(vllm_config(extra, world_size=2, engine_id=engine)).get_manager()
+    c, keys, src = ctx(), [key(i) for i in range(3)], [4, 11, 6]
+    store = m.prepare_store(keys, c)
+    for w in workers:
+        w.submit_store(1, vbase.GPULoadStoreSpec(src, [3], [0]), store.store_spec)
+        w.wait({1})
+    m.complete_store(keys, c)  # every rank is done: the chunks cascade to storage
+    m.inner.wait_idle()
+    assert m.inner.tiers[0].manager.get_stats().counters["stored_blocks"] == 3
+    m.shutdown()
+    for w in workers:
+        w.shutdown()
+
+    tp1 = KVOffloadingSpec(vllm_config(extra, bytes_per_block=2 * PAGE * LAYERS, engine_id=f"{engine}-tp1"))
+    gpu = [torch.zeros_like(t) for t in full]
+    worker, m1 = tp1.get_worker(_canonical_tp1(gpu)), tp1.get_manager()
+    # on disk: promoted into CPU first
+    assert [m1.lookup(k, c) for k in keys] == [vbase.LookupResult.HIT_PENDING] * 3
+    m1.inner.on_schedule_end(ScheduleEndContext(set(), set()))
+    m1.inner.wait_idle()
+    assert all(m1.inner.lookup(k, convert_ctx(c)) is LookupResult.HIT for k in keys)
+    dst = [1, 2, 3]
+    assert worker.submit_load(2, m1.prepare_load(keys, c), vbase.GPULoadStoreSpec(dst, [3], [0]))
+    worker.wait({2})
+    for t, want in zip(gpu, full):
+        assert torch.equal(t[dst], want[src])
+    m1.shutdown()
+    worker.shutdown()
+
+
+def convert_ctx(c):
+    from kvoffload.integrations.vllm.convert import req_context
+
+    return req_context(c)
 
 
 def test_tp_ranks_refuse_a_pool_file_left_behind(tmp_path):

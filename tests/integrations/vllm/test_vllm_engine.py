@@ -101,6 +101,10 @@ STORAGE = {"kvoffload_spec": "tiered", "cpu_bytes_to_use": "64MiB",
            "secondary_tiers": [{"type": "storage", "capacity_bytes": "256MiB"}]}
 
 
+def TP2_STORAGE(model: Path) -> dict:  # noqa: N802 - a constant of the model's directory
+    return {"type": "storage", "path": str(model.parent / "kv-tp2"), "capacity_bytes": "16MiB"}
+
+
 @pytest.fixture(scope="module")
 def engines(model) -> dict[str, list[dict]]:
     """The independent engine runs, started together (start-up dominates).
@@ -108,12 +112,13 @@ def engines(model) -> dict[str, list[dict]]:
     cache hit), fillers, the prompt again (recomputed). cpu: the same with
     the CPU tier. cpu_multiprocess: the CPU tier with the scheduler and the
     worker in separate processes, its pool a shared one (saved at the end).
-    tp2: the same at tensor_parallel_size=2. storage: the prompt and fillers
-    with CPU + storage tiers."""
+    tp2: the same at tensor_parallel_size=2, with a storage tier too.
+    storage: the prompt and fillers with CPU + storage tiers."""
     phases = [[PROMPT], [PROMPT], FILLERS, [PROMPT]]
     storage = dict(STORAGE, secondary_tiers=[dict(STORAGE["secondary_tiers"][0], path=str(model.parent / "kv"))])
     pools = {tp: model.parent / f"shm-tp{tp}.pool" for tp in (1, 2)}
     shared = {tp: {"cpu_bytes_to_use": "4MiB", "shared_pool_path": str(pools[tp])} for tp in (1, 2)}
+    shared[2].update(kvoffload_spec="tiered", secondary_tiers=[TP2_STORAGE(model)])
     procs = {"reference": start_engine(model, None, phases),
              "cpu": start_engine(model, {"kvoffload_spec": "cpu", "cpu_bytes_to_use": "64MiB"}, phases),
              "cpu_multiprocess": start_engine(model, shared[1], [[PROMPT], FILLERS, [PROMPT]], one_process=False,
@@ -170,11 +175,22 @@ def test_cpu_tier_works_with_scheduler_and_worker_in_separate_processes(engines,
     assert tokens(fillers) == tokens(reference[2])
 
 
-def test_new_engine_process_hits_the_storage_tier(model, engines, reference):
+@pytest.fixture(scope="module")
+def restarted(model, engines) -> dict[str, dict]:
+    """New engine processes (empty GPU cache and CPU tier) over the storage
+    directories the engines above wrote, one phase of the prompt each:
+    storage: the storage engine's; from_tp2: a TP=1 engine on the TP=2 one's."""
+    procs = {"storage": start_engine(model, engines["storage_extra"], [[PROMPT]]),
+             "from_tp2": start_engine(model, {"kvoffload_spec": "tiered", "cpu_bytes_to_use": "4MiB",
+                                              "secondary_tiers": [TP2_STORAGE(model)]}, [[PROMPT]])}
+    return {name: report(p)[0] for name, p in procs.items()}
+
+
+def test_new_engine_process_hits_the_storage_tier(model, engines, reference, restarted):
     first_engine = engines["storage"]
     assert metric(first_engine[0], "vllm:kvoffload_stored_blocks[storage]") == 8
     # that process has exited; a new one: empty GPU cache and CPU tier, the same directory
-    (second,) = report(start_engine(model, engines["storage_extra"], [[PROMPT]]))
+    second = restarted["storage"]
     assert metric(second, "vllm:kvoffload_hits[storage]") == 8
     assert metric(second, "vllm:kvoffload_loaded_blocks[storage]") == 8
     assert metric(second, "vllm:external_prefix_cache_hits") == 8 * BLOCK
@@ -194,6 +210,17 @@ def test_tp2_serves_a_pushed_out_prefix_from_the_shared_pool(engines, reference)
     assert tokens(last) == tokens(first)
     assert tokens(first) == tokens(reference[0]) and tokens(fillers) == tokens(reference[2])
     assert engines["pools_left"] == []  # TP rank 0 removed the pool file at shutdown
+
+
+def test_tp1_engine_is_served_what_tp2_stored(engines, restarted, reference):
+    """The TP=2 engine's storage tier (run beside its scheduler, on the
+    shared pool) holds canonical pages: a TP=1 engine hits all 8 blocks."""
+    assert metric(engines["tp2"][0], "vllm:kvoffload_stored_blocks[storage]") == 8
+    tp1 = restarted["from_tp2"]
+    assert metric(tp1, "vllm:kvoffload_hits[storage]") == 8
+    assert metric(tp1, "vllm:kvoffload_loaded_blocks[storage]") == 8
+    assert metric(tp1, "vllm:external_prefix_cache_hits") == 8 * BLOCK
+    assert tokens(tp1) == tokens(reference[0])
 
 
 def test_tp2_stores_the_pages_tp1_stores(model, engines):

@@ -21,7 +21,9 @@ creates it, the others open it, each rank stores its part of every
 canonical page and loads its part back, and the scheduler's manager reads
 the chunk geometry from the file, then removes it (all ranks have it
 mapped by then). vLLM counts a job done when every rank reports it. Pages
-are canonical, so they are those TP=1 would store. CPU tier only for now.
+are canonical, so they are those TP=1 would store. Secondary tiers run
+in the scheduler's process on the same pool (mapped there too), so a
+chunk persisted at TP=2 serves a TP=1 engine.
 
 Model kinds: the worker's process builds its spec while vLLM loads the
 model, so it reads each layer's KVCacheSpec (convert.model_layer_specs) and
@@ -31,6 +33,7 @@ a sliding-window group's blocks itself (group_sizes, block_indices).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -44,6 +47,8 @@ from kvoffload.integrations.vllm.worker import VLLMOffloadingWorker
 from kvoffload.layout import check_config_offloadable
 from kvoffload.metrics import build_metric_definitions
 from kvoffload.spec import get_spec_class
+from kvoffload.tiers.cpu.shared_pool import SharedHostPool
+from kvoffload.tiers.cpu.spec import CPUOffloadingSpec
 
 # (engine id, our spec name, our config) -> the kvoffload spec of this process
 # and which of get_manager / get_worker it still waits for; dropped once it
@@ -97,20 +102,23 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
         check_config_offloadable(self.kvoffload_config)  # Mamba, indexers: refused here, by name
         # Our path, not the user's: the scheduler removes it once every rank has it open.
         self._own_pool_path = self.tensor_parallel and "shared_pool_path" not in config.extra_config
+        self._spec_cls = spec_cls
+        self._scheduler_pool = None
         if self.tensor_parallel:
             # TP ranks are processes of their own (vLLM's mp executor): nothing
             # to pair with; they share the host pool through its file instead.
-            self._key, self.inner = None, spec_cls(self.kvoffload_config)
-            if _has_secondary_tiers(self.inner):
-                raise ConfigError(
-                    f"kvoffload under tensor parallelism (tp={par.tp_size}) runs the CPU tier only for now: "
-                    "secondary tiers (storage, remote) need vLLM's scheduler and worker in one process"
-                )
+            # A rank runs the CPU tier's worker alone; the spec asked for (its
+            # secondary tiers) is built where the manager is (get_manager).
+            self._key = None
+            self.inner = CPUOffloadingSpec(dataclasses.replace(self.kvoffload_config, extra_config={
+                k: v for k, v in self.kvoffload_config.extra_config.items() if k in CPUOffloadingSpec.EXTRA_KEYS}))
         else:
             self._key, self.inner = _shared_spec(config.engine_id, self.spec_name, self.kvoffload_config)
         self._manager: VLLMOffloadingManager | None = None
 
     def get_manager(self) -> VLLMOffloadingManager:
+        if self._manager is None and self.tensor_parallel:
+            self._manager = VLLMOffloadingManager(self._tp_manager())
         if self._manager is None:
             if _has_secondary_tiers(self.inner) and getattr(self.inner, "_worker", None) is None:
                 raise ConfigError(
@@ -120,11 +128,33 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
                 )
             self._manager = VLLMOffloadingManager(self.inner.get_manager())
             _done(self._key, "manager")
-            if self._own_pool_path:
-                # vLLM sets up every worker's KV caches (each rank has mapped
-                # the pool) before it builds its scheduler: the file can go.
-                Path(self.inner.shared_pool_path).unlink(missing_ok=True)
         return self._manager
+
+    def _tp_manager(self) -> Any:
+        """The scheduler's side under TP. vLLM sets up every rank's KV caches
+        (each has made or mapped the pool file) before its scheduler: the
+        manager takes the chunk geometry from the file, secondary tiers copy
+        between the pool (mapped here too) and their media, then our own
+        file can go. The pool holds whole canonical pages (the ranks refuse
+        others), so persisted chunks are any TP layout's ("agnostic")."""
+        extra = dict(self.kvoffload_config.extra_config)
+        if "namespace" in extra:
+            ns = dict(extra["namespace"])
+            if ns.setdefault("parallel_layout", "agnostic") != "agnostic":
+                raise ConfigError(f"namespace.parallel_layout={ns['parallel_layout']!r}, but TP ranks store "
+                                  "canonical pages: 'agnostic' (leave it out)")
+            extra["namespace"] = ns
+        if self._spec_cls is not CPUOffloadingSpec:
+            self.inner = self._spec_cls(dataclasses.replace(self.kvoffload_config, extra_config=extra))
+        self.inner.take_pool_geometry()
+        manager = self.inner.get_manager()
+        if _has_secondary_tiers(self.inner):
+            self._scheduler_pool = SharedHostPool.open(self.inner.shared_pool_path, self.inner.num_chunks,
+                                                       self.inner.kv_bytes_per_chunk)
+            manager.attach_workers([t.tier.get_worker(self._scheduler_pool) for t in manager.tiers])
+        if self._own_pool_path:
+            Path(self.inner.shared_pool_path).unlink(missing_ok=True)
+        return manager
 
     def get_worker(self, kv_caches: Any) -> VLLMOffloadingWorker:
         inner = self.inner.get_worker(convert.kv_caches(kv_caches))

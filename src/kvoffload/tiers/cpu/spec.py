@@ -136,7 +136,7 @@ class CPUOffloadingSpec(OffloadingSpec):
             from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 
             if self.num_chunks is None and self.shared_pool_path is not None:
-                self._take_pool_geometry()
+                self.take_pool_geometry()
             if self.num_chunks is None:
                 raise ConfigError(
                     "cpu_bytes_to_use alone does not say how many chunks fit before the KV caches "
@@ -189,12 +189,15 @@ class CPUOffloadingSpec(OffloadingSpec):
             return SharedHostPool.create(self.shared_pool_path, self.num_chunks, chunk_bytes)
         return SharedHostPool.open(self.shared_pool_path, self.num_chunks, chunk_bytes, wait_s=POOL_WAIT_S)
 
-    def _take_pool_geometry(self) -> None:
-        """Chunk count and size from the pool file the workers made."""
+    def take_pool_geometry(self) -> None:
+        """Chunk count and size from the pool file the workers made (for a
+        manager in another process), checked against what was declared."""
         from kvoffload.tiers.cpu.shared_pool import SharedHostPool
 
         num_chunks, chunk_bytes = SharedHostPool.geometry(self.shared_pool_path, POOL_WAIT_S)
-        if self.kv_bytes_per_chunk is not None and self.kv_bytes_per_chunk != chunk_bytes:
-            raise ConfigError(f"extra_config declares {self.kv_bytes_per_chunk} KV bytes per chunk, but the "
-                              f"shared pool {self.shared_pool_path} holds chunks of {chunk_bytes}")
+        for declared, have, what in ((self.kv_bytes_per_chunk, chunk_bytes, "KV bytes per chunk"),
+                                     (self.num_chunks, num_chunks, "chunks")):
+            if declared is not None and declared != have:
+                raise ConfigError(f"extra_config declares {declared} {what}, but the shared pool "
+                                  f"{self.shared_pool_path} has {have}")
         self.num_chunks, self.kv_bytes_per_chunk = num_chunks, chunk_bytes
