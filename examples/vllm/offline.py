@@ -18,9 +18,12 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--kv-config", required=True, help="a kv-transfer-config JSON file")
     ap.add_argument("--gpu-blocks", type=int, default=None, help="cap vLLM's own KV cache (blocks)")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="TP ranks (processes sharing one host pool on /dev/shm)")
     args = ap.parse_args()
-    # the storage and remote tiers need vLLM's scheduler and worker in one process
-    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    if args.tensor_parallel_size == 1:
+        # at TP=1 the storage and remote tiers need vLLM's scheduler and worker in one process
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -28,7 +31,8 @@ def main() -> None:
     with open(args.kv_config) as f:
         kv_config = KVTransferConfig(**json.load(f))
     llm = LLM(model=args.model, kv_transfer_config=kv_config, disable_log_stats=False,
-              num_gpu_blocks_override=args.gpu_blocks, enable_prefix_caching=True)
+              num_gpu_blocks_override=args.gpu_blocks, enable_prefix_caching=True,
+              tensor_parallel_size=args.tensor_parallel_size)
     params = SamplingParams(temperature=0.0, max_tokens=16)
     prompt = {"prompt_token_ids": list(range(100, 100 + 2000))}
     others = [{"prompt_token_ids": list(range(i, i + 2000))} for i in (3000, 6000, 9000)]

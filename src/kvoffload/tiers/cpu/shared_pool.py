@@ -67,7 +67,12 @@ class SharedHostPool(HostPool):
             fd = os.open(self.path, os.O_RDWR)
         try:
             if create:
-                os.posix_fallocate(fd, 0, ALIGN + size)  # no room: an error now, not SIGBUS on a copy
+                try:  # no room: an error now, not SIGBUS on a copy
+                    os.posix_fallocate(fd, 0, ALIGN + size)
+                except OSError as e:
+                    raise OSError(e.errno, f"cannot make a shared host pool of {ALIGN + size} bytes at "
+                                  f"{self.path}: {e.strerror} (a container's /dev/shm is often small: "
+                                  "raise --shm-size, lower cpu_bytes_to_use or set shared_pool_path)") from None
                 os.pwrite(fd, _HEADER.pack(MAGIC, num_chunks, chunk_bytes), 0)
             elif _read_header(fd, self.path) != (num_chunks, chunk_bytes):
                 raise ValueError(f"{self.path} holds {_read_header(fd, self.path)} (chunks, bytes), not "
