@@ -124,6 +124,13 @@ def test_pipeline_parallel_is_refused():
         KVOffloadingSpec(vllm_config({"cpu_bytes_to_use": "1MiB"}, world_size=2, pp_size=2))
 
 
+def test_tensor_parallel_refuses_unknown_keys_in_every_process():
+    """A rank runs only the CPU tier's part of a tiered config; a typo is still refused there."""
+    with pytest.raises(ConfigError, match="secondary_tier'"):
+        KVOffloadingSpec(vllm_config({"kvoffload_spec": "tiered", "cpu_bytes_to_use": "1MiB",
+                                      "secondary_tier": []}, world_size=2, rank=1))
+
+
 def test_tensor_parallel_needs_a_spec_that_shares_its_pool():
     with pytest.raises(ConfigError, match="cannot share a host pool between TP ranks"):
         KVOffloadingSpec(vllm_config({"kvoffload_spec": f"{__name__}:PlainSpec"}, world_size=2))

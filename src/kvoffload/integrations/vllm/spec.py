@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.abstractions import OffloadingSpec
-from kvoffload.config import ConfigError
+from kvoffload.config import ConfigError, check_known_keys
 from kvoffload.integrations.vllm import convert
 from kvoffload.integrations.vllm._compat import vbase
 from kvoffload.integrations.vllm.manager import VLLMOffloadingManager
@@ -110,8 +110,10 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
             # A rank runs the CPU tier's worker alone; the spec asked for (its
             # secondary tiers) is built where the manager is (get_manager).
             self._key = None
+            extra = self.kvoffload_config.extra_config
+            check_known_keys(extra, accepted, f"{spec_cls.__name__} extra_config")  # typos: refused here too
             self.inner = CPUOffloadingSpec(dataclasses.replace(self.kvoffload_config, extra_config={
-                k: v for k, v in self.kvoffload_config.extra_config.items() if k in CPUOffloadingSpec.EXTRA_KEYS}))
+                k: v for k, v in extra.items() if k in CPUOffloadingSpec.EXTRA_KEYS}))
         else:
             self._key, self.inner = _shared_spec(config.engine_id, self.spec_name, self.kvoffload_config)
         self._manager: VLLMOffloadingManager | None = None
