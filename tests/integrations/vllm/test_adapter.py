@@ -347,6 +347,40 @@ def test_tp2_ranks_share_one_pool_and_store_what_tp1_stores():
         w.shutdown()
 
 
+def test_tp2_ranks_with_identical_pages_take_turns_writing():
+    """MLA latents (or fewer KV heads than ranks): every rank holds the whole
+    page; vLLM's mapping makes them writers of alternate blocks, and the
+    shared pool still gets every block once."""
+    engine = f"tp2-mla-{uuid.uuid4()}"
+    extra = {"cpu_bytes_to_use": "1MiB"}
+    layers, _ = vllm_kv_caches()
+    ranks, workers = [], []
+    for r in (0, 1):
+        run = vbase.CopyRun(0, 0, PAGE, 1, PAGE, PAGE)
+        mapping = vbase.CanonicalPageMapping(PAGE, PAGE, (run,), num_writers=2, writer_index=r,
+                                             parallelism_agnostic=True)
+        caches = vbase.CanonicalKVCaches(
+            tensors=[vbase.CanonicalKVCacheTensor(t, PAGE) for t in layers],
+            group_data_refs=[[vbase.CanonicalKVCacheRef(i, PAGE, mapping) for i in range(LAYERS)]])
+        ranks.append(KVOffloadingSpec(vllm_config(extra, world_size=2, rank=r, engine_id=engine)))
+        workers.append(ranks[-1].get_worker(caches))
+    m = KVOffloadingSpec(vllm_config(extra, world_size=2, engine_id=engine)).get_manager()
+    c, keys, src = ctx(), [key(i) for i in range(3)], [4, 11, 6]
+    store = m.prepare_store(keys, c)
+    done = []
+    for w in workers:
+        w.submit_store(1, vbase.GPULoadStoreSpec(src, [3], [0]), store.store_spec)
+        w.wait({1})
+        done += w.get_finished()
+    assert [r.transfer_size for r in done] == [2 * PAGE * LAYERS, PAGE * LAYERS]  # blocks 4, 6 | 11
+    pool = workers[0].inner.pool
+    for slot, block in zip(store.store_spec.block_ids.tolist(), src):
+        for i, t in enumerate(layers):
+            assert np.array_equal(pool.chunk(slot)[i * PAGE:(i + 1) * PAGE], t[block].numpy().view(np.uint8))
+    for w in workers:
+        w.shutdown()
+
+
 def _canonical_tp1(full: list[torch.Tensor]) -> vbase.CanonicalKVCaches:
     """TP=1 caches as vLLM gives them: each page is its own canonical page."""
     run = vbase.CopyRun(0, 0, 2 * PAGE, 1, 2 * PAGE, 2 * PAGE)
