@@ -15,8 +15,10 @@ Lookups: a CPU miss asks the secondary tiers the request's TierFilter allows,
 
 The secondary workers read and write host-pool chunks, and the pool is made
 by the CPU worker, so they are wired when the spec's get_worker() runs: the
-scheduler-side manager and the worker must live in one process (vLLM's
-UniProcExecutor, or `kvoffload replay`). Completions are polled in
+scheduler-side manager and the worker live in one process (vLLM's
+UniProcExecutor, or `kvoffload replay`), or, under tensor parallelism through
+the vLLM plugin, the secondary workers run beside the manager on the ranks'
+shared host pool (integrations/vllm). Completions are polled in
 on_schedule_end(), has_pending_work() and get_stats().
 """
 
