@@ -50,15 +50,20 @@ class HostPool:
         self.num_chunks = num_chunks
         self.chunk_bytes = align_up(chunk_bytes)
         self.used_chunk_bytes = chunk_bytes
-        size = self.num_chunks * self.chunk_bytes
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        self._mmap = mmap.mmap(-1, size, flags=flags)
-        self.array = np.frombuffer(self._mmap, dtype=np.uint8).reshape(self.num_chunks, self.chunk_bytes)
-        self.array[:, :: ALIGN] = 0  # touch every page now, not on the copy path
+        self._adopt(mmap.mmap(-1, self.nbytes, flags=flags), touch=True)
+
+    def _adopt(self, mm: mmap.mmap, touch: bool) -> None:
+        """Make mm the chunk slots: array and tensor views on it, every page
+        touched now (not on the copy path) if asked, pinned when CUDA is here."""
+        self._mmap = mm
+        self.array = np.frombuffer(mm, dtype=np.uint8).reshape(self.num_chunks, self.chunk_bytes)
+        if touch:
+            self.array[:, :: ALIGN] = 0
         self.tensor = torch.from_numpy(self.array)  # shares the mmap
         self.pinned = False
         if torch.cuda.is_available():
-            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0)
+            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
             self.pinned = int(rc) == 0
 
     @property

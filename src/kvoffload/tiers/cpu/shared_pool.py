@@ -22,9 +22,6 @@ import struct
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from kvoffload.tiers.base import ALIGN, HostPool, align_up
 
 MAGIC = b"KVOFFLOAD-POOL-1"
@@ -74,24 +71,17 @@ class SharedHostPool(HostPool):
                                   f"{self.path}: {e.strerror} (a container's /dev/shm is often small: "
                                   "raise --shm-size, lower cpu_bytes_to_use or set shared_pool_path)") from None
                 os.pwrite(fd, _HEADER.pack(MAGIC, num_chunks, chunk_bytes), 0)
-            elif _read_header(fd, self.path) != (num_chunks, chunk_bytes):
-                raise ValueError(f"{self.path} holds {_read_header(fd, self.path)} (chunks, bytes), not "
+            elif (have := _read_header(fd, self.path)) != (num_chunks, chunk_bytes):
+                raise ValueError(f"{self.path} holds {have} (chunks, bytes), not "
                                  f"{num_chunks} chunks of {chunk_bytes} B: the ranks disagree on the pool")
-            self._mmap = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
-                                   offset=ALIGN)
-            self.array = np.frombuffer(self._mmap, dtype=np.uint8).reshape(self.num_chunks, self.chunk_bytes)
+            self._adopt(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                  offset=ALIGN), touch=create)  # the creator allocates every page
             if create:
-                self.array[:, ::ALIGN] = 0  # allocate every page now, not on the copy path
                 os.link(made, self.path)  # appears complete; FileExistsError if another made it meanwhile
         finally:
             os.close(fd)
             if create:
                 made.unlink(missing_ok=True)
-        self.tensor = torch.from_numpy(self.array)
-        self.pinned = False
-        if torch.cuda.is_available():
-            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), size, 0)
-            self.pinned = int(rc) == 0
 
     @classmethod
     def create(cls, path: str | os.PathLike, num_chunks: int, chunk_bytes: int) -> SharedHostPool:
