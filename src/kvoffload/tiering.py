@@ -45,7 +45,7 @@ from kvoffload.abstractions import (
     TierFilter,
 )
 from kvoffload.config import ConfigError, OffloadingConfig, check_known_keys, positive_int
-from kvoffload.layout import ParallelLayout, parallel_layout_id
+from kvoffload.layout import parallel_layout_id
 from kvoffload.registry import load_class
 from kvoffload.tiers.base import Namespace, SecondaryTier, TierWorker, align_up
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
@@ -524,7 +524,7 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
         what must match for persisted blocks to be served (block size and
         chunk bytes are added from the config; parallel_layout from the KV
         caches: "agnostic" for canonical pages, else one per TP rank)
-      tp_rank, tp_size             where this worker sits in tensor parallelism
+      tp_rank, tp_size             (CPU spec keys) also pick the namespace's parallel_layout
       storage_dir, storage_bytes   shorthand for one more storage tier
       remote_url                   shorthand for one more remote ("redis") tier
 
@@ -536,7 +536,7 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
     """
 
     EXTRA_KEYS = CPUOffloadingSpec.EXTRA_KEYS + (
-        "secondary_tiers", "namespace", "storage_dir", "storage_bytes", "remote_url", "tp_rank", "tp_size")
+        "secondary_tiers", "namespace", "storage_dir", "storage_bytes", "remote_url")
 
     def __init__(self, config: OffloadingConfig):
         super().__init__(config)
@@ -564,12 +564,8 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
             raise ConfigError(f"namespace must be a mapping, got {ns!r}")
         check_known_keys(ns, ("model", "dtype", "layout", "parallel_layout"), "namespace")
         self.namespace_fields = {k: str(v) for k, v in ns.items()}
-        tp_rank, tp_size = extra.get("tp_rank", 0), positive_int(extra.get("tp_size", 1), "tp_size")
-        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
-            raise ConfigError(f"tp_rank must be an integer in [0, tp_size={tp_size}), got {tp_rank!r}")
-        self.parallel = ParallelLayout(tp_rank, tp_size)
         # until the KV caches say otherwise: pages only this rank's layout may read
-        self.parallel_layout = f"tp{tp_size}-rank{tp_rank}"
+        self.parallel_layout = f"tp{self.parallel.tp_size}-rank{self.parallel.tp_rank}"
         self._tiering: TieringManager | None = None
         self._tiers: list[Tier] | None = None
         if self.kv_bytes_per_chunk is not None:

@@ -43,7 +43,7 @@ from kvoffload.config import (
     parse_bytes,
     positive_int,
 )
-from kvoffload.layout import check_config_offloadable
+from kvoffload.layout import ParallelLayout, check_config_offloadable
 from kvoffload.policies import get_policy_class
 from kvoffload.tiers.base import align_up
 
@@ -84,9 +84,10 @@ class CPUOffloadingSpec(OffloadingSpec):
         else:
             raise ConfigError("CPU offloading needs extra_config cpu_bytes_to_use (or num_cpu_chunks)")
         tp_size = positive_int(extra.get("tp_size", 1), "tp_size")
-        self.tp_rank = extra.get("tp_rank", 0)
-        if isinstance(self.tp_rank, bool) or not isinstance(self.tp_rank, int) or not 0 <= self.tp_rank < tp_size:
-            raise ConfigError(f"tp_rank must be an integer in [0, tp_size={tp_size}), got {self.tp_rank!r}")
+        tp_rank = extra.get("tp_rank", 0)
+        if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+            raise ConfigError(f"tp_rank must be an integer in [0, tp_size={tp_size}), got {tp_rank!r}")
+        self.parallel = ParallelLayout(tp_rank, tp_size)
         path = extra.get("shared_pool_path")
         if path is not None and (not isinstance(path, str) or not path):
             raise ConfigError(f"shared_pool_path must be a file path, got {path!r}")
@@ -185,7 +186,7 @@ class CPUOffloadingSpec(OffloadingSpec):
         except ValueError as e:
             raise ConfigError(f"shared_pool_path={self.shared_pool_path!r} needs canonical pages "
                               f"(all KV heads of a block in one page): {e}") from None
-        if self.tp_rank == 0:
+        if self.parallel.tp_rank == 0:
             return SharedHostPool.create(self.shared_pool_path, self.num_chunks, chunk_bytes)
         return SharedHostPool.open(self.shared_pool_path, self.num_chunks, chunk_bytes, wait_s=POOL_WAIT_S)
 
