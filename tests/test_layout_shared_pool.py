@@ -78,3 +78,14 @@ def test_ranks_must_agree_on_the_pool(tmp_path):
     assert (tmp_path / "pool").exists()  # only its creator removes it
     pool.close()
     assert not (tmp_path / "pool").exists()
+
+
+def test_missing_or_foreign_pool_file_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="TP rank 0"):
+        SharedHostPool.open(tmp_path / "none", 4, 8192, wait_s=0.05)
+    foreign = tmp_path / "foreign"
+    foreign.write_bytes(b"not a pool" * 1000)
+    with pytest.raises(ValueError, match="is not a kvoffload shared host pool"):
+        SharedHostPool.open(foreign)
+    with pytest.raises(ValueError, match="is not a kvoffload shared host pool"):
+        SharedHostPool.open(foreign, 4, 8192)
