@@ -214,7 +214,7 @@ class CPUOffloadingManager(OffloadingManager):
         keys = keys if type(keys) is list else list(keys)
         if keys and set(map(type, keys)) != {bytes}:
             _check_keys(keys)
-        if req_context is not None and req_context.kv_transfer_params and low_retention(req_context):
+        if low_retention(req_context):
             return
         self.policy.touch(prefix_order(keys, req_context), req_context)
 
@@ -332,7 +332,7 @@ class CPUOffloadingManager(OffloadingManager):
             for s in slots:
                 state[s] = 0
             ordered = prefix_order(pending, req_context)
-            if req_context is not None and req_context.kv_transfer_params and low_retention(req_context):
+            if low_retention(req_context):
                 self.policy.insert_cold(ordered, req_context)
             else:
                 self.policy.insert(ordered, req_context)
