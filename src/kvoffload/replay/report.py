@@ -7,6 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvoffload.redact import redact
 from kvoffload.replay.engine import ReplayResult
 
 
@@ -171,7 +172,8 @@ def to_markdown(r: ReplayResult) -> str:
 
 
 def to_json(r: ReplayResult) -> dict[str, Any]:
-    return {"summary": summary(r), "result": asdict(r)}
+    # options carry the tiers' config (e.g. remote_url with its password): mask secrets
+    return redact({"summary": summary(r), "result": asdict(r)})
 
 
 def write_json(obj: Any, path: str | Path) -> None:

@@ -26,6 +26,12 @@ def _need_binary():
         _unavailable("no redis-server binary (apt-get install redis-server, or run scripts/setup.sh)")
 
 
+@pytest.fixture
+def redis_binary():
+    """For tests that start servers of their own (LocalServer)."""
+    _need_binary()
+
+
 @pytest.fixture(scope="session")
 def redis_server():
     _need_binary()

@@ -1,19 +1,22 @@
 """Settings of the remote tier, checked once at start-up.
 
-Every bad value raises ConfigError naming the key. The password never
-appears in messages (see `RemoteConfig.redacted_url`).
+Every bad value raises ConfigError naming the key. The password and the
+MAC key never appear in messages, logs or reprs (see kvoffload.redact).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
+import os
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 from kvoffload.config import ConfigError, check_known_keys, parse_bytes, positive_int, positive_number
+from kvoffload.redact import MASK, redact_url
 
 SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
+MIN_MAC_KEY_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -29,6 +32,7 @@ class RemoteConfig:
     lookup_cache_s: float = 2.0  # how long a "present" answer is trusted
     miss_cache_s: float = 0.25  # how long an "absent" answer is trusted (short: other engines store)
     lookup_coalesce_s: float = 0.002  # wait this long to batch lookups before a check
+    lookup_deadline_s: float = 0.5  # a lookup unanswered this long after its first RETRY is a MISS
     io_threads: int = 1  # data connections (one thread each)
     batch_bytes: int = 32 << 20  # bytes per pipelined GET/SET round
     max_queue_bytes: int = 1 << 30  # stores queued beyond this are dropped (back-pressure)
@@ -36,6 +40,11 @@ class RemoteConfig:
     backoff_max_s: float = 5.0  # cap of the exponential back-off
     tls_ca_certs: str | None = None  # CA bundle for rediss://
     tls_verify: bool = True  # verify the server certificate for rediss://
+    # Shared secret for a keyed MAC over key + header + payload (servers shared
+    # between trust domains). Read from a file or an environment variable so
+    # it never sits in a config; at most one of the two.
+    mac_key_file: str | None = None
+    mac_key_env: str | None = None
 
     def __post_init__(self):
         if not isinstance(self.url, str):
@@ -45,7 +54,7 @@ class RemoteConfig:
             raise ConfigError(f"remote.url {self.redacted_url!r}: scheme must be one of {list(SCHEMES)}")
         if self.cluster and scheme in ("unix",):
             raise ConfigError("remote.cluster: Redis Cluster needs a redis:// or rediss:// url, not unix://")
-        for key in ("username", "password", "tls_ca_certs"):
+        for key in ("username", "password", "tls_ca_certs", "mac_key_file", "mac_key_env"):
             v = getattr(self, key)
             if v is not None and not isinstance(v, str):
                 raise ConfigError(f"remote.{key} must be a string, got {type(v).__name__}")
@@ -55,7 +64,7 @@ class RemoteConfig:
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"remote.{key} must be true or false, got {getattr(self, key)!r}")
         for key in ("connect_timeout_s", "socket_timeout_s", "lookup_cache_s", "miss_cache_s", "lookup_coalesce_s",
-                    "backoff_initial_s", "backoff_max_s"):
+                    "lookup_deadline_s", "backoff_initial_s", "backoff_max_s"):
             positive_number(getattr(self, key), f"remote.{key}")
         if self.ttl_s is not None:
             positive_int(self.ttl_s, "remote.ttl_s")
@@ -65,18 +74,50 @@ class RemoteConfig:
         if self.backoff_max_s < self.backoff_initial_s:
             raise ConfigError(f"remote.backoff_max_s ({self.backoff_max_s}) must be >= "
                               f"remote.backoff_initial_s ({self.backoff_initial_s})")
+        if self.mac_key_file is not None and self.mac_key_env is not None:
+            raise ConfigError("remote.mac_key_file and remote.mac_key_env: give at most one")
 
     @property
     def redacted_url(self) -> str:
         """The URL with any password replaced, for messages and logs."""
-        parts = urlsplit(self.url)
-        if parts.password is None:
-            return self.url
-        host = parts.hostname or ""
-        if parts.port:
-            host += f":{parts.port}"
-        user = parts.username or ""
-        return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+        return redact_url(self.url)
+
+    def __repr__(self) -> str:
+        shown = []
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.name == "url":
+                v = self.redacted_url
+            elif f.name == "password" and v is not None:
+                v = MASK
+            shown.append(f"{f.name}={v!r}")
+        return f"RemoteConfig({', '.join(shown)})"
+
+    __str__ = __repr__
+
+    def load_mac_key(self) -> bytes | None:
+        """The MAC key from mac_key_file / mac_key_env (None: no MAC).
+        Any length of at least 16 bytes; hashed to the 32 bytes BLAKE2b takes."""
+        import hashlib
+
+        if self.mac_key_file is not None:
+            where = f"remote.mac_key_file {self.mac_key_file!r}"
+            try:
+                with open(self.mac_key_file, "rb") as f:
+                    secret = f.read().rstrip(b"\r\n")
+            except OSError as e:
+                raise ConfigError(f"{where}: cannot read it ({e.strerror})") from None
+        elif self.mac_key_env is not None:
+            where = f"remote.mac_key_env {self.mac_key_env!r}"
+            value = os.environ.get(self.mac_key_env)
+            if value is None:
+                raise ConfigError(f"{where}: the environment variable is not set")
+            secret = value.encode()
+        else:
+            return None
+        if len(secret) < MIN_MAC_KEY_BYTES:
+            raise ConfigError(f"{where}: the key must be at least {MIN_MAC_KEY_BYTES} bytes, got {len(secret)}")
+        return hashlib.blake2b(secret, digest_size=32, person=b"kvoffload-mac").digest()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> RemoteConfig:

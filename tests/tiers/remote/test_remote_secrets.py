@@ -1,0 +1,68 @@
+"""No password or key reaches a report, a log line, an exception or a repr:
+a real replay against a real password-protected redis-server, every output
+grepped for the secret."""
+
+from __future__ import annotations
+
+import json
+import logging
+import uuid
+
+import pytest
+
+from kvoffload.cli import main
+from kvoffload.config import ConfigError
+from kvoffload.redact import redact, redact_text, redact_url
+from kvoffload.tiers.base import Namespace
+from kvoffload.tiers.remote import RemoteConfig, RemoteTier
+from kvoffload.tiers.remote.server import LocalServer
+
+pytestmark = pytest.mark.redis
+
+
+def _replay(url: str, tmp_path, tag: str) -> tuple[int, list[str]]:
+    js, md = tmp_path / f"{tag}.json", tmp_path / f"{tag}.md"
+    rc = main(["replay", "--sessions", "4", "--remote-url", url, "--sync-tiers", "--no-progress",
+               "--json", str(js), "--markdown", str(md)])
+    return rc, [p.read_text() for p in (js, md) if p.exists()]
+
+
+def test_replay_with_a_password_writes_it_nowhere(redis_binary, tmp_path, capsys, caplog):
+    pw, bad = f"pw-{uuid.uuid4().hex}", f"bad-{uuid.uuid4().hex}"
+    caplog.set_level(logging.DEBUG)
+    with LocalServer(password=pw) as srv:
+        rc, files = _replay(srv.url, tmp_path, "good")
+        out = capsys.readouterr()
+        assert rc == 0, out.err
+        report = json.loads(files[0])
+        remote = [t for name, t in report["summary"]["tiers"].items() if "remote" in name or "redis" in name]
+        assert remote and remote[0].get("stored_blocks", 0) > 0  # the remote tier really ran
+        assert "***" in files[0]  # the URL is there, redacted
+        outputs = [out.out, out.err, caplog.text, *files]
+
+        rc, files = _replay(f"redis://:{bad}@127.0.0.1:{srv.port}/0", tmp_path, "bad")
+        out = capsys.readouterr()
+        assert rc == 2 and "authentication" in out.err and "***" in out.err
+        outputs += [out.out, out.err, caplog.text, *files]
+
+        ns = Namespace(model="tiny", dtype="bf16", layout="canon", block_size=16, chunk_bytes=4096)
+        with pytest.raises(ConfigError) as e:
+            RemoteTier({"url": f"redis://:{bad}@127.0.0.1:{srv.port}/0"}, ns)
+        outputs += [str(e.value), repr(e.value)]
+        with pytest.raises(ConfigError) as e:
+            RemoteTier({"url": f"redis://127.0.0.1:{srv.port}/0", "password": bad}, ns)
+        outputs += [str(e.value), repr(e.value)]
+
+        cfg = RemoteConfig(url=srv.url, password=pw)
+        outputs += [repr(cfg), str(cfg), cfg.redacted_url, repr(RemoteConfig(url=f"unix:///x.sock?password={pw}"))]
+    for text in outputs:
+        assert pw not in text and bad not in text
+
+
+def test_redact_helpers():
+    assert redact_url("redis://user:s3c@h:1/0") == "redis://user:***@h:1/0"
+    assert redact_url("unix:///run/r.sock?password=s3c&db=1") == "unix:///run/r.sock?password=***&db=1"
+    assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
+    assert "s3c" not in redact_text("cannot reach rediss://:s3c@h:1 now")
+    assert redact({"remote_url": "redis://:s3c@h", "password": "s3c", "mac_key_file": "/k", "n": [1]}) == {
+        "remote_url": "redis://:***@h", "password": "***", "mac_key_file": "/k", "n": [1]}
