@@ -1,5 +1,5 @@
-"""The storage tier's persistent index: an append-only log of fixed-size,
-self-checksummed records saying which key a slot holds.
+"""The storage tier's persistent index: a log of fixed-size, self-checksummed
+records saying which key a slot holds.
 
 Crash safety rests on ordering, not on the log alone:
 - a PUT (slot holds key, with the xxhash of its bytes) is appended only after
@@ -7,29 +7,44 @@ Crash safety rests on ordering, not on the log alone:
 - before a slot that a durable PUT names is overwritten, a FREE for it is
   appended and made durable.
 So after a kill -9 at any moment, every PUT the log holds (and no later FREE
-cancels) names bytes that are on disk. A torn last record fails its record
-checksum and ends the replay. On open the log is compacted: the live PUTs are
-written to a new file that atomically replaces the old one.
+cancels) names bytes that are on disk.
+
+Every record checks itself (its xxh64, seeded by the geometry), so a damaged
+record is skipped and counted and the rest are kept: a lost PUT is a lost
+key, a lost FREE leaves an old PUT whose checksum no longer matches the
+slot's bytes (a miss on load). Bad records at the very end are a torn tail
+(an append a crash interrupted, never acknowledged), not damage.
+
+The log is read at open in bounded memory (fixed-size reads; the live map
+never exceeds the slot count) and compacted (the live PUTs written to a new
+file that atomically replaces the old one) at open and whenever it grows past
+a small multiple of the live index, so it stays bounded over a long run.
 """
 
 from __future__ import annotations
 
 import os
 import struct
-import threading
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 import xxhash
 
 MAGIC = b"KVIX"
+VERSION = 2  # in the header: records' checksums are seeded by the geometry
 OP_HEADER, OP_PUT, OP_FREE = 0, 1, 2
 MAX_KEY_BYTES = 100
-# magic, op, key_len, reserved, slot, checksum, key (padded); then the record's own xxh64
+# magic, op, key_len, version (header) / 0, slot, checksum, key (padded); then the record's own xxh64
 _BODY = struct.Struct(f"<4sBBHIQ{MAX_KEY_BYTES}s")
 _CRC = struct.Struct("<Q")
 RECORD_BYTES = _BODY.size + _CRC.size
 assert RECORD_BYTES == 128
+READ_RECORDS = 8192  # per read at open (1 MiB): memory stays bounded whatever the log's size
+# compact once the log holds more than 2 records per live entry plus this
+# many (128 KiB): appends stay O(1) amortized, the log O(live index)
+COMPACT_SLACK = 1024
+_ZEROS = bytes(READ_RECORDS * RECORD_BYTES)
+_O_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
 @dataclass(frozen=True)
@@ -43,100 +58,183 @@ class Geometry:
     def header_key(self) -> bytes:
         return f"{self.namespace_digest}:{self.num_files}".encode()
 
+    def seed(self) -> int:
+        """Seeds every record's checksum: a record of another geometry fails it."""
+        return xxhash.xxh64_intdigest(self.header_key() + self.slot_bytes.to_bytes(8, "little"))
 
-def pack(op: int, slot: int, checksum: int, key: bytes) -> bytes:
-    body = _BODY.pack(MAGIC, op, len(key), 0, slot, checksum, key)
-    return body + _CRC.pack(xxhash.xxh64_intdigest(body))
+
+def pack(op: int, slot: int, checksum: int, key: bytes, seed: int = 0, version: int = 0) -> bytes:
+    body = _BODY.pack(MAGIC, op, len(key), version, slot, checksum, key)
+    return body + _CRC.pack(xxhash.xxh64_intdigest(body, seed))
 
 
-def unpack(rec: bytes) -> tuple[int, int, int, bytes] | None:
-    """(op, slot, checksum, key), or None for a torn or foreign record."""
-    body = rec[: _BODY.size]
-    if len(rec) != RECORD_BYTES or _CRC.unpack(rec[_BODY.size :])[0] != xxhash.xxh64_intdigest(body):
+def unpack(rec, seed: int = 0) -> tuple[int, int, int, bytes, int] | None:
+    """(op, slot, checksum, key, version), or None for a damaged or foreign record."""
+    if len(rec) != RECORD_BYTES:
         return None
-    magic, op, key_len, _, slot, checksum, key = _BODY.unpack(body)
+    body = rec[: _BODY.size]
+    if _CRC.unpack_from(rec, _BODY.size)[0] != xxhash.xxh64_intdigest(body, seed):
+        return None
+    magic, op, key_len, version, slot, checksum, key = _BODY.unpack(body)
     if magic != MAGIC or op not in (OP_HEADER, OP_PUT, OP_FREE) or key_len > MAX_KEY_BYTES:
         return None
-    return op, slot, checksum, key[:key_len]
+    return op, slot, checksum, bytes(key[:key_len]), version
 
 
-def replay(path: Path, geometry: Geometry, num_slots: int) -> dict[int, tuple[bytes, int]]:
-    """slot -> (key, checksum) for every live entry of the log at path, in
-    log order (oldest first). A missing log, or one of another geometry, is empty."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return {}
-    first = unpack(data[:RECORD_BYTES])
-    if first is None or first[0] != OP_HEADER or first[3] != geometry.header_key() \
-            or first[2] != geometry.slot_bytes:
-        return {}
-    live: dict[int, tuple[bytes, int]] = {}
+def header(geometry: Geometry) -> bytes:
+    # seed 0: any reader can tell which geometry (or format) a log is of
+    return pack(OP_HEADER, 0, geometry.slot_bytes, geometry.header_key(), version=VERSION)
+
+
+def read_header(fd: int) -> tuple[str, int, int] | None:
+    """(namespace digest, num_files, slot_bytes) from a log's header, or None."""
+    h = unpack(os.pread(fd, RECORD_BYTES, 0))
+    if h is None or h[0] != OP_HEADER or h[4] != VERSION:
+        return None
+    digest, _, nf = h[3].decode(errors="replace").rpartition(":")
+    return (digest, int(nf), h[2]) if nf.isdigit() else None
+
+
+@dataclass
+class Replayed:
+    """What a log says: slot -> (key, checksum) in log order (oldest first)."""
+
+    entries: dict[int, tuple[bytes, int]] = field(default_factory=dict)
+    records: int = 0  # good records, header included
+    bad_records: int = 0  # damaged records followed by good ones (or a damaged header)
+    torn_tail: int = 0  # damaged records at the end: an interrupted append
+    foreign: bool = False  # written under another geometry or format: ignored
+
+
+def replay_fd(fd: int, geometry: Geometry, num_slots: int) -> Replayed:
+    out = Replayed()
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return out
+    first = unpack(os.pread(fd, RECORD_BYTES, 0))
+    if first is not None and first[0] == OP_HEADER:
+        if first[4] != VERSION or first[3] != geometry.header_key() or first[2] != geometry.slot_bytes:
+            out.foreign = True
+            return out
+        out.records = 1
+    else:
+        out.bad_records = 1  # a damaged header: the records still check themselves
+    seed = geometry.seed()
+    live = out.entries
     slot_of: dict[bytes, int] = {}
-    for off in range(RECORD_BYTES, len(data) - RECORD_BYTES + 1, RECORD_BYTES):
-        rec = unpack(data[off : off + RECORD_BYTES])
-        if rec is None:
-            break  # torn tail: nothing after it was acknowledged
-        op, slot, checksum, key = rec
-        if op == OP_PUT:
-            live.pop(slot, None)  # re-insert: dict order follows recency
-            live[slot] = (key, checksum)
-            old = slot_of.get(key)
-            if old is not None and old != slot:
-                live.pop(old, None)  # a key lives in its newest slot only
-            slot_of[key] = slot
-        elif op == OP_FREE:
-            entry = live.pop(slot, None)
-            if entry is not None and slot_of.get(entry[0]) == slot:
-                del slot_of[entry[0]]
-    return {s: e for s, e in live.items() if s < num_slots}
+    pending_bad = 0  # bad records not yet followed by a good one
+    off = RECORD_BYTES
+    while off < size:
+        data = os.pread(fd, READ_RECORDS * RECORD_BYTES, off)
+        if not data:
+            break
+        off += len(data)
+        if data == _ZEROS[: len(data)]:  # a hole (sparse file): no record, skip fast
+            pending_bad += -(-len(data) // RECORD_BYTES)
+            continue
+        view = memoryview(data)
+        for pos in range(0, len(data), RECORD_BYTES):
+            rec = unpack(view[pos : pos + RECORD_BYTES], seed)
+            if rec is None or rec[0] == OP_HEADER:
+                pending_bad += 1
+                continue
+            out.bad_records += pending_bad
+            pending_bad = 0
+            out.records += 1
+            op, slot, checksum, key, _ = rec
+            if op == OP_PUT:
+                old = slot_of.get(key)
+                if old is not None and old != slot:
+                    live.pop(old, None)  # a key lives in its newest slot only
+                    del slot_of[key]
+                prev = live.pop(slot, None)  # re-insert: dict order follows recency
+                if prev is not None and slot_of.get(prev[0]) == slot:
+                    del slot_of[prev[0]]
+                if slot < num_slots:  # beyond the capacity: dropped, so memory stays bounded
+                    live[slot] = (key, checksum)
+                    slot_of[key] = slot
+            else:
+                entry = live.pop(slot, None)
+                if entry is not None and slot_of.get(entry[0]) == slot:
+                    del slot_of[entry[0]]
+    out.torn_tail = pending_bad
+    return out
+
+
+def write_atomically(dir_fd: int, name: str, chunks: Iterable[bytes]) -> None:
+    """Replace dir/name with the given bytes: a new file created exclusively
+    (never through a link), fsync'd, renamed over the old one, then the
+    directory fsync'd so the rename survives a crash."""
+    tmp = name + ".tmp"
+    try:
+        os.unlink(tmp, dir_fd=dir_fd)  # left by a crash; unlinking a link removes the link only
+    except FileNotFoundError:
+        pass
+    fd = os.open(tmp, _O_NEW, 0o600, dir_fd=dir_fd)
+    try:
+        for chunk in chunks:
+            view = memoryview(chunk)
+            while view:
+                view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+    os.fsync(dir_fd)
 
 
 class IndexLog:
-    """The open log: compacted on open, then appended to (thread-safe)."""
+    """The open log of one storage directory: replayed and compacted on open,
+    then appended to. Not thread-safe: SlabStore serializes its calls."""
 
-    def __init__(self, path: Path, geometry: Geometry, num_slots: int):
-        self.path = path
+    NAME = "index.log"
+
+    def __init__(self, dir_fd: int, geometry: Geometry, num_slots: int):
+        self.dir_fd = dir_fd
         self.geometry = geometry
-        self.entries = replay(path, geometry, num_slots)
-        self._lock = threading.Lock()
+        self._seed = geometry.seed()
         self._fd = -1
-        self._rewrite(self.entries)
+        try:
+            fd = os.open(self.NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError:
+            found = Replayed()
+        else:
+            try:
+                found = replay_fd(fd, geometry, num_slots)
+            finally:
+                os.close(fd)
+        self.entries = found.entries
+        self.bad_records = found.bad_records
+        self.records = 0  # in the file now
+        self.rewrite(list(self.entries.items()))
 
-    def _rewrite(self, entries: dict[int, tuple[bytes, int]]) -> None:
+    def pack(self, op: int, slot: int, checksum: int = 0, key: bytes = b"") -> bytes:
+        return pack(op, slot, checksum, key, self._seed)
+
+    def rewrite(self, entries: list[tuple[int, tuple[bytes, int]]]) -> None:
         """Atomically replace the log with a header plus the given PUTs."""
-        tmp = self.path.with_suffix(".tmp")
-        blob = bytearray(pack(OP_HEADER, 0, self.geometry.slot_bytes, self.geometry.header_key()))
-        for slot, (key, checksum) in entries.items():
-            blob += pack(OP_PUT, slot, checksum, key)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        try:
-            os.write(fd, blob)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, self.path)
-        dfd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)  # the rename itself must survive a crash
-        finally:
-            os.close(dfd)
-        with self._lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-            self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND)
+        def chunks():
+            yield header(self.geometry)
+            for i in range(0, len(entries), READ_RECORDS):
+                yield b"".join(self.pack(OP_PUT, s, c, k) for s, (k, c) in entries[i : i + READ_RECORDS])
+
+        write_atomically(self.dir_fd, self.NAME, chunks())
+        fd = os.open(self.NAME, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dir_fd)
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = fd
+        self.records = 1 + len(entries)
 
     def append(self, records: bytes) -> None:
         """Append packed records and make them durable before returning."""
-        with self._lock:
-            os.write(self._fd, records)
-            os.fdatasync(self._fd)
+        os.write(self._fd, records)
+        os.fdatasync(self._fd)
+        self.records += len(records) // RECORD_BYTES
 
-    def clear(self) -> None:
-        self._rewrite({})
+    def needs_compaction(self, live: int) -> bool:
+        return self.records > 2 * live + COMPACT_SLACK
 
     def close(self) -> None:
-        with self._lock:
-            if self._fd >= 0:
-                os.close(self._fd)
-                self._fd = -1
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1

@@ -63,6 +63,8 @@ class StorageOffloadingManager(OffloadingManager):
         self.policy.insert([k for _, k in restored], None)
         self._events: list[OffloadingEvent] = []
         self._counters: dict[str, float] = {}
+        if store.bad_index_records:  # damaged index records skipped at open
+            self._count("index_bad_records", store.bad_index_records)
 
     # --- helpers ---
 

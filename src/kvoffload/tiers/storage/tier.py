@@ -4,6 +4,7 @@ worker."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from kvoffload.abstractions import Locality, Medium
@@ -35,15 +36,18 @@ class StorageTier(SecondaryTier):
         """Build from one `secondary_tiers` entry (tier-level keys already removed)."""
         where = f"secondary_tiers[{ctx.index}] (storage)"
         check_known_keys(conf, CONFIG_KEYS, where)
-        if not conf.get("path"):
+        path = conf.get("path")
+        if not path:
             raise ConfigError(f"{where}: path is required (a directory for the slab files)")
+        if not isinstance(path, (str, os.PathLike)):  # `path: 5` must not create ./5
+            raise ConfigError(f"{where}: path must be a directory name (a string), got {path!r}")
         if "capacity_bytes" not in conf:
             raise ConfigError(f"{where}: capacity_bytes is required")
         direct_io = conf.get("direct_io", True)
         if not isinstance(direct_io, bool):
             raise ConfigError(f"{where}: direct_io must be true or false, got {direct_io!r}")
         return cls(
-            path=str(conf["path"]),
+            path=os.fspath(path),
             capacity_bytes=parse_bytes(conf["capacity_bytes"], f"{where}.capacity_bytes"),
             slot_bytes=ctx.chunk_bytes,
             namespace=ctx.namespace,
