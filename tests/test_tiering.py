@@ -140,10 +140,12 @@ def test_tier_filter_from_kv_transfer_params(rig):
     assert r.mgr.lookup(key(0), cpu_only) is MISS
     local_storage = r.request("b", kv_load_tiers=[{"medium": "STORAGE", "locality": "LOCAL"}])
     assert r.mgr.lookup(key(0), local_storage) is PENDING
-    with pytest.raises(ValueError, match="kv_load_tiers"):
-        r.request("c", kv_load_tiers=[{"medium": "tape"}])
-    with pytest.raises(ValueError, match="kv_load_tiers"):
-        r.request("d", kv_load_tiers={"medium": "CPU"})
+    # an invalid filter is ignored (counted once, by the tiering manager): every tier may serve
+    for bad in ([{"medium": "tape"}], {"medium": "CPU"}, "cpu", [{"medium": "cpu"}, "storage"]):
+        assert r.mgr.lookup(key(0), r.request(f"bad {bad}", kv_load_tiers=bad)) is PENDING
+    stats = r.mgr.get_stats()
+    assert stats.counters["bad_request_hints"] == 4
+    assert all(c.counters.get("bad_request_hints", 0) == 0 for c in stats.children)
 
 
 def test_store_threshold_writes_only_reused_chunks(rig):

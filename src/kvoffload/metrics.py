@@ -38,6 +38,7 @@ COUNTERS = {
     "checksum_failures": "Blocks whose checksum did not match (served as misses)",
     "promotions": "Blocks promoted from this tier into the CPU tier",
     "errors": "Transfer or connection errors (degraded to misses)",
+    "bad_request_hints": "Invalid per-request hints (kv_transfer_params) ignored",
 }
 GAUGES = {
     "used_blocks": "Blocks held by the tier",

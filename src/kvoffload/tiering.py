@@ -42,9 +42,10 @@ from kvoffload.abstractions import (
     ReqContext,
     RequestOffloadingContext,
     ScheduleEndContext,
-    TierFilter,
 )
 from kvoffload.config import ConfigError, OffloadingConfig, check_known_keys, positive_int
+from kvoffload.hints import COUNTER as BAD_HINTS
+from kvoffload.hints import request_hints
 from kvoffload.layout import parallel_layout_id
 from kvoffload.registry import load_class
 from kvoffload.tiers.base import Namespace, SecondaryTier, TierWorker, align_up
@@ -177,16 +178,14 @@ class TieringManager(OffloadingManager):
 
     # ---- requests -----------------------------------------------------------
 
+    def _count_bad_hints(self, n: int) -> None:
+        self._count(BAD_HINTS, n)
+
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        params = req_context.kv_transfer_params or {}
-        if params.get("kv_load_tiers") is not None:
-            tiers = params["kv_load_tiers"]
-            if not isinstance(tiers, list):
-                raise ValueError(f"kv_transfer_params.kv_load_tiers must be a list, got {tiers!r}")
-            try:
-                req_context.load_tier_filter = TierFilter.from_params(tiers)
-            except ValueError as e:
-                raise ValueError(f"kv_transfer_params.{e}") from None
+        # Parsed (never raising) and counted here, before the children read them.
+        hints = request_hints(req_context, self._count_bad_hints)
+        if hints.load_tiers is not None:  # an invalid kv_load_tiers: TierFilter.ALL
+            req_context.load_tier_filter = hints.load_tiers
         policy = self.primary.on_new_request(req_context).policy
         levels = []
         for t in self.tiers:

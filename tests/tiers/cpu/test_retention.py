@@ -67,10 +67,24 @@ def test_low_blocks_still_hit_until_pushed_out():
     assert [m.lookup(K(i), None).name for i in (1, 2, 3)] == ["HIT"] * 3
 
 
-def test_bad_retention_value_is_named_at_arrival():
+def test_bad_retention_value_is_ignored_named_and_counted(caplog):
     m = CPUOffloadingManager(4, "lru")
-    with pytest.raises(ValueError, match=r"kv_retention must be 'low' or 'normal', got 'forever'"):
-        m.on_new_request(ReqContext("x", {"kv_retention": "forever"}))
+    run_request(m, ctx("a"), writes=[1, 2])
+    with caplog.at_level("WARNING", logger="kvoffload.hints"):
+        run_request(m, ReqContext("x", {"kv_retention": "forever"}), writes=[3, 4])
+    assert [r.getMessage() for r in caplog.records] == [
+        "request 'x': ignoring kv_retention='forever': must be 'low' or 'normal'"]
+    assert m.get_stats().counters["bad_request_hints"] == 1
+    assert run_request(m, ctx("c"), writes=[5]) == [K(2)]  # a's tail: x stored normal blocks, not cold ones
+
+
+@pytest.mark.parametrize("value", ["LOW", " low ", "Low"])
+def test_retention_value_case_and_spaces_do_not_matter(value):
+    m = CPUOffloadingManager(4, "lru")
+    run_request(m, ctx("a"), writes=[1, 2])
+    run_request(m, ReqContext("b", {"kv_retention": value}), writes=[3, 4])
+    assert run_request(m, ctx("c"), writes=[5]) == [K(4)]
+    assert m.get_stats().counters["bad_request_hints"] == 0
 
 
 def test_policy_without_cold_insert_treats_hint_as_normal_store():

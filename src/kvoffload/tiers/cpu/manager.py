@@ -20,7 +20,7 @@ Other slot-based tiers (storage) reuse this class and override _make_spec.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 
 from kvoffload.abstractions import (
     CPULoadStoreSpec,
@@ -37,6 +37,8 @@ from kvoffload.abstractions import (
     RequestOffloadingContext,
 )
 from kvoffload.config import ConfigError
+from kvoffload.hints import COUNTER as BAD_HINTS
+from kvoffload.hints import request_hints
 from kvoffload.keys import GROUP_BYTES, check_key
 from kvoffload.policies import get_policy_class
 
@@ -81,31 +83,16 @@ def prefix_order(keys: list[bytes], ctx: ReqContext | None) -> list[bytes]:
         return sorted(keys, key=lambda k: get(k, _NO_POSITION))
 
 
-class _Retention:
-    """A request's parsed kv_retention hint, cached in its ReqContext."""
-
-    __slots__ = ("low",)
-
-    def __init__(self, low: bool):
-        self.low = low
-
-
-def low_retention(ctx: ReqContext | None) -> bool:
+def low_retention(ctx: ReqContext | None, count: Callable[[int], None] | None = None) -> bool:
     """True if the request says its blocks will not be reused
     (kv_transfer_params {"kv_retention": "low"}: a session's last turn, a
     one-shot prompt). Such a request stores its new blocks where they are
     evicted first and refreshes nothing it reads, so shared heads keep the
-    recency other requests gave them."""
+    recency other requests gave them. Never raises: an invalid hint is
+    ignored (kvoffload.hints); count(n) counts it if this call parses it."""
     if ctx is None or not ctx.kv_transfer_params:
         return False
-    r = ctx.get_state(_Retention)
-    if r is None:
-        v = ctx.kv_transfer_params.get("kv_retention", "normal")
-        if v not in ("low", "normal"):
-            raise ValueError(f"kv_transfer_params.kv_retention must be 'low' or 'normal', got {v!r}")
-        r = _Retention(v == "low")
-        ctx.set_state(r)
-    return r.low
+    return request_hints(ctx, count).low_retention
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -141,6 +128,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._misses = self._hits = self._hits_pending = 0
         self._stored = self._loaded = self._evictions = 0
         self._allocation_failures = self._dropped = 0
+        self._bad_hints = 0
 
     def _record(self, ctx: ReqContext | None) -> list | None:
         """This request's [reused keys, stored keys, loaded after storing],
@@ -352,8 +340,11 @@ class CPUOffloadingManager(OffloadingManager):
 
     # ---- requests, events, stats -------------------------------------------
 
+    def _count_bad_hints(self, n: int) -> None:
+        self._bad_hints += n
+
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
-        low_retention(req_context)  # a bad hint fails here, at the request's arrival
+        low_retention(req_context, self._count_bad_hints)  # parsed, and a bad hint counted, at arrival
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
@@ -411,6 +402,7 @@ class CPUOffloadingManager(OffloadingManager):
             "evictions": self._evictions,
             "allocation_failures": self._allocation_failures,
             "dropped_stores": self._dropped,
+            BAD_HINTS: self._bad_hints,
         }
         gauges = {
             "used_blocks": used,
