@@ -24,6 +24,7 @@ on_schedule_end(), has_pending_work() and get_stats().
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -580,22 +581,33 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
     def _build_tiers(self) -> list[Tier]:
         if self._tiers is not None:
             return self._tiers
-        tiers, names = [], set()
-        for i, conf in enumerate(self._tier_confs):
-            cls = get_tier_class(conf["type"])
-            name = str(conf.get("name", conf["type"] if conf["type"] not in names else f"{conf['type']}{i}"))
-            if name in names:
-                raise ConfigError(f"secondary_tiers[{i}]: name {name!r} is used twice")
-            names.add(name)
-            where = f"secondary_tiers[{i}]"
-            threshold = positive_int(conf.get("store_threshold", DEFAULT_STORE_THRESHOLD),
-                                     f"{where}.store_threshold")
-            depth = positive_int(conf.get("max_queue_depth", DEFAULT_MAX_QUEUE_DEPTH),
-                                 f"{where}.max_queue_depth")
-            ctx = TierContext(i, name, self.namespace(), align_up(self.kv_bytes_per_chunk),
-                              self.kv_events_config.enable_kv_cache_events)
-            tier = cls.from_config({k: v for k, v in conf.items() if k not in TIER_KEYS}, ctx)
-            tiers.append(Tier(tier, threshold, depth))
+        tiers, names, paths = [], set(), {}
+        try:
+            for i, conf in enumerate(self._tier_confs):
+                cls = get_tier_class(conf["type"])
+                name = str(conf.get("name", conf["type"] if conf["type"] not in names else f"{conf['type']}{i}"))
+                if name in names:
+                    raise ConfigError(f"secondary_tiers[{i}]: name {name!r} is used twice")
+                names.add(name)
+                where = f"secondary_tiers[{i}]"
+                if isinstance(conf.get("path"), str):  # two tiers on one directory would fight over it
+                    real = os.path.realpath(conf["path"])
+                    if real in paths:
+                        raise ConfigError(f"{where}.path: {conf['path']!r} is listed twice in secondary_tiers "
+                                          f"(also secondary_tiers[{paths[real]}]); give each tier its own")
+                    paths[real] = i
+                threshold = positive_int(conf.get("store_threshold", DEFAULT_STORE_THRESHOLD),
+                                         f"{where}.store_threshold")
+                depth = positive_int(conf.get("max_queue_depth", DEFAULT_MAX_QUEUE_DEPTH),
+                                     f"{where}.max_queue_depth")
+                ctx = TierContext(i, name, self.namespace(), align_up(self.kv_bytes_per_chunk),
+                                  self.kv_events_config.enable_kv_cache_events)
+                tier = cls.from_config({k: v for k, v in conf.items() if k not in TIER_KEYS}, ctx)
+                tiers.append(Tier(tier, threshold, depth))
+        except BaseException:
+            for t in tiers:  # release what was opened (fds, directory locks) so a retry can succeed
+                t.manager.shutdown()
+            raise
         self._tiers = tiers
         return tiers
 

@@ -90,3 +90,61 @@ def test_refused_open_leaves_no_lock_behind(tmp_path, make_tier):
         make_tier()
     meta.write_text(good)
     make_tier()  # the failed open released its lock
+
+
+def test_capacity_beyond_the_filesystem_leaves_nothing_behind(tmp_path):
+    with pytest.raises(StorageError, match="lower capacity_bytes") as e:
+        StorageTier(str(tmp_path / "big" / "kv"), 2**50, CHUNK, NS)  # far beyond the disk
+    assert "\n" not in str(e.value)
+    assert not (tmp_path / "big").exists()
+
+
+def test_failed_open_of_an_existing_directory_keeps_its_files(tmp_path, make_tier, pool):
+    tier = make_tier(capacity_slots=8)
+    fill(pool, 0, key(1))
+    assert store(tier, pool, [key(1)], [0])
+    d = tier.store.dir
+    from storage_helpers import close
+
+    close(tier)
+    sizes = {f.name: f.stat().st_size for f in d.iterdir()}
+    with pytest.raises(StorageError):
+        StorageTier(str(tmp_path / "store"), 2**50, CHUNK, NS)
+    assert {f.name: f.stat().st_size for f in d.iterdir()} == sizes
+    assert make_tier(capacity_slots=8).get_manager().lookup(key(1), CTX) is LookupResult.HIT
+
+
+@pytest.mark.parametrize("path", [5, 1.5, ["a"], {"p": 1}, True])
+def test_path_must_be_a_string(tmp_path, monkeypatch, path):
+    from kvoffload.config import ConfigError
+    from kvoffload.tiering import TierContext
+
+    monkeypatch.chdir(tmp_path)
+    ctx = TierContext(0, "storage", NS, CHUNK, False)
+    with pytest.raises(ConfigError, match=rf"secondary_tiers\[0\] \(storage\): path must be a directory name"):
+        StorageTier.from_config({"path": path, "capacity_bytes": "1MiB"}, ctx)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("content", [b"", b"\0\0\0", b'{"model": "test-mo'])
+def test_empty_or_damaged_namespace_json(make_tier, pool, content):
+    """A crash right after creation can leave it empty: with nothing indexed
+    it is rebuilt; with chunks indexed it is a one-line error naming the file."""
+    from storage_helpers import close
+
+    tier = make_tier()
+    meta = tier.store.dir / "namespace.json"
+    good = meta.read_bytes()
+    close(tier)
+    meta.write_bytes(content)
+    tier = make_tier()  # nothing indexed yet: rebuilt
+    assert meta.read_bytes() == good
+    fill(pool, 0, key(1))
+    assert store(tier, pool, [key(1)], [0])
+    close(tier)
+    meta.write_bytes(content)
+    with pytest.raises(StorageError, match=rf"{meta} is (empty|damaged).*delete") as e:
+        make_tier()
+    assert "\n" not in str(e.value)
+    meta.write_bytes(good)  # restored, as the message says: served again
+    assert make_tier().get_manager().lookup(key(1), CTX) is LookupResult.HIT
