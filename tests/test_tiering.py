@@ -358,3 +358,89 @@ def test_one_secondary_hit_promotes_the_rest_of_the_prefix(rig):
     for k, slot in zip(keys, slots):
         np.testing.assert_array_equal(r.pool.chunk(int(slot)), pattern(k))
     r.mgr.complete_load(keys, again)
+
+
+# ---- vLLM's call order: finishing before completions, resets ----------------
+
+
+def _spy(manager, calls: list):
+    """Record the calls a child manager gets (and still run them)."""
+    for name in ("prepare_store", "prepare_load", "on_request_finished"):
+        real = getattr(manager, name)
+
+        def wrapped(*a, _real=real, _name=name, **kw):
+            ctx = a[-1] if a else kw.get("req_context")
+            calls.append((_name, getattr(ctx, "req_id", None)))
+            return _real(*a, **kw)
+
+        setattr(manager, name, wrapped)
+
+
+def test_a_store_completing_after_the_request_finished_still_cascades_then_finishes_it(rig):
+    """vLLM finishes a request in the step it submits its last store and
+    completes the store later: the child hears on_request_finished once,
+    after the cascade's prepare_store, and nothing is left per request."""
+    r = rig(cpu_chunks=4)
+    calls = []
+    _spy(r.tier.manager, calls)
+    ctx = r.request("a")
+    out = r.mgr.prepare_store([key(0), key(1)], ctx)
+    r.mgr.on_request_finished(ctx)
+    assert calls == []  # held back: the completion below will cascade
+    r.mgr.complete_store(out.keys_to_store, ctx)
+    assert calls == [("prepare_store", "a")]
+    r.settle()  # the cascade lands: no child call can come any more
+    assert calls == [("prepare_store", "a"), ("on_request_finished", "a")]
+    assert not r.mgr._requests and not r.mgr.has_pending_work()
+    assert r.cpu.get_stats().gauges["pinned_blocks"] == 0
+    r.mgr.on_request_finished(ctx)  # told twice: still once for the child
+    assert [c for c in calls if c[0] == "on_request_finished"] == [("on_request_finished", "a")]
+
+
+def test_a_refused_store_is_not_an_offer(rig):
+    r = rig(cpu_chunks=1, store_threshold=2)
+    ctx = r.request()
+    first = r.mgr.prepare_store([key(0)], ctx)  # pending: the only slot
+    assert r.mgr.prepare_store([key(1)], ctx) is None
+    assert r.mgr.prepare_store([key(1)], ctx) is None
+    r.mgr.complete_store(first.keys_to_store, ctx)
+    r.settle()
+    r.gpu_store([key(1)], ctx)  # its first accepted offer: below the threshold
+    r.settle()
+    assert r.tier.manager.lookup(key(1), ctx) is MISS
+
+
+def test_reset_drops_engine_jobs_and_holds_promotions_until_flushed(rig):
+    r = rig(cpu_chunks=4)
+    calls = []
+    _spy(r.tier.manager, calls)
+    a = r.request("a")
+    r.gpu_store([key(0)], a)
+    r.settle()  # key 0 in CPU and storage
+    b = r.request("b")
+    pending = r.mgr.prepare_store([key(1)], b)  # engine store in flight at the reset
+    r.mgr.on_request_finished(b)
+    load = r.mgr.prepare_load([key(0)], a)  # engine load in flight at the reset
+    assert pending and load
+    r.mgr.reset_cache()
+    # b's store will never complete: b is finished now, its child told once
+    assert ("on_request_finished", "b") in calls and "b" not in r.mgr._requests
+    g = r.cpu.get_stats().gauges
+    assert (g["pinned_blocks"], g["pending_blocks"], g["fenced_blocks"]) == (0, 0, 2)
+    assert r.mgr.lookup(key(1), a) is MISS  # a dropped store is never readable
+    # reset_cache also resets the storage tier here; store key 0 there again
+    r.gpu_store([key(0)], a)
+    r.settle()
+    r.cpu.reset_cache()  # CPU forgets key 0 (no jobs in flight: nothing more fenced)
+    assert r.tier.manager.lookup(key(0), a) is HIT
+    assert r.mgr.lookup(key(0), a) is MISS  # held: a promotion could land on a fenced slot
+    r.mgr.on_reset_flushed()
+    assert r.cpu.get_stats().gauges["fenced_blocks"] == 0
+    assert r.mgr.lookup(key(0), a) is PENDING
+    r.settle()
+    assert r.mgr.lookup(key(0), a) is HIT
+    r.mgr.on_request_finished(a)
+    r.settle()
+    assert not r.mgr._requests and not r.mgr.has_pending_work()
+    assert [c for c in calls if c[0] == "on_request_finished"] == [
+        ("on_request_finished", "b"), ("on_request_finished", "a")]

@@ -55,6 +55,7 @@ from kvoffload.tiers.cpu.spec import CPUOffloadingSpec
 
 _MISS, _HIT, _PENDING, _RETRY = (LookupResult.MISS, LookupResult.HIT,
                                  LookupResult.HIT_PENDING, LookupResult.RETRY)
+_DONE = object()  # in a ReqContext's scratch state: its children heard on_request_finished
 
 # ---- secondary tier types ---------------------------------------------------
 
@@ -131,6 +132,10 @@ class _RequestState:
     # prefix longer than what CPU can spare would never be resident at once
     cpu_hits: dict[OffloadKey, None] = field(default_factory=dict)
     jobs: int = 0  # secondary jobs in flight for this request
+    # primary (GPU -> CPU) store jobs in flight: each may cascade when it
+    # completes, so the children hear on_request_finished only after the last
+    stores: int = 0
+    ctx: ReqContext | None = None  # set with the first store (a reset may finish it)
     finished: bool = False
     # the request's keys in prefix order (from the scheduler's key positions),
     # so one secondary hit can queue the rest of the prefix in the same step
@@ -163,6 +168,7 @@ class TieringManager(OffloadingManager):
         self._count_offers = any(t.store_threshold > 1 for t in tiers)
         self._max_tracked_offers = max_tracked_offers
         self._counters: dict[str, float] = {}
+        self._promotions_held = False  # from reset_cache() to on_reset_flushed()
 
     def attach_workers(self, workers: list[TierWorker]) -> None:
         for t, w in zip(self.tiers, workers, strict=True):
@@ -173,9 +179,26 @@ class TieringManager(OffloadingManager):
 
     def _state(self, ctx: ReqContext) -> _RequestState:
         st = self._requests.get(ctx.req_id)
-        if st is None:  # a request we were not told about: defaults
-            st = self._requests[ctx.req_id] = _RequestState([False] * len(self.tiers))
+        if st is None:
+            st = _RequestState([False] * len(self.tiers))
+            if ctx._state.get(self) is not _DONE:  # a request we were not told about: defaults
+                self._requests[ctx.req_id] = st
+            # else finished and its children told: a throwaway, never kept
         return st
+
+    def _done(self, ctx: ReqContext) -> bool:
+        """True once the children heard on_request_finished for this request."""
+        return ctx._state.get(self) is _DONE
+
+    def _maybe_finish(self, ctx: ReqContext, st: _RequestState) -> None:
+        """Tell the children a finished request is finished, once no child
+        submit call can come for it any more: no primary store left to
+        complete (a completion cascades) and no secondary job in flight."""
+        if st.finished and not st.stores and not st.jobs:
+            self._requests.pop(ctx.req_id, None)
+            ctx._state[self] = _DONE
+            for t in self.tiers:
+                t.manager.on_request_finished(ctx)
 
     # ---- requests -----------------------------------------------------------
 
@@ -202,13 +225,13 @@ class TieringManager(OffloadingManager):
         for key in [k for k in self._promote_queue if k[1] == req_context.req_id]:
             _, keys = self._promote_queue.pop(key)
             self._queued.difference_update(keys)
+        if self._done(req_context):
+            return  # told twice: the children heard it once already
         st = self._requests.get(req_context.req_id)
-        if st is not None and st.jobs:
-            st.finished = True  # the children hear of it when its jobs land
-            return
-        self._requests.pop(req_context.req_id, None)
-        for t in self.tiers:
-            t.manager.on_request_finished(req_context)
+        if st is None:
+            st = _RequestState([False] * len(self.tiers))
+        st.finished = True  # the children hear of it once its stores and jobs land
+        self._maybe_finish(req_context, st)
 
     # ---- lookups and promotions --------------------------------------------
 
@@ -226,6 +249,8 @@ class TieringManager(OffloadingManager):
     def _lookup_secondary(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         if key in self._queued:
             return _PENDING
+        if self._promotions_held:  # a reset's dropped jobs may still write CPU slots
+            return _MISS
         st = self._state(ctx)
         if key in st.failed:
             return _MISS
@@ -339,10 +364,17 @@ class TieringManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         out = self.primary.prepare_store(keys, req_context)
+        if out is None:
+            return None  # refused: not an offer, and nothing will complete
         if self._count_offers:
             self._offer(keys)
         st = self._requests.get(req_context.req_id)
-        if out is not None and st is not None and any(st.request_level):
+        if out.keys_to_store and not self._done(req_context):
+            if st is None:
+                st = self._state(req_context)
+            st.stores += 1  # one complete_store will come for it
+            st.ctx = req_context
+        if st is not None and any(st.request_level):
             new = set(out.keys_to_store)
             resident = [k for k in keys if k not in new]
             for i, wants in enumerate(st.request_level):
@@ -353,8 +385,15 @@ class TieringManager(OffloadingManager):
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
                        success: bool = True) -> None:
         self.primary.complete_store(keys, req_context, success)
-        if not success:
-            return
+        st = self._requests.get(req_context.req_id)
+        if st is not None and st.stores:
+            st.stores -= 1
+        if success:
+            self._cascade_stored(keys, req_context)
+        if st is not None and st.finished:
+            self._maybe_finish(req_context, st)
+
+    def _cascade_stored(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         for i, t in enumerate(self.tiers):
             if t.store_threshold <= 1:
                 self._cascade(i, keys, req_context)
@@ -386,8 +425,8 @@ class TieringManager(OffloadingManager):
     def _cascade(self, i: int, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
         """Write CPU-resident keys down to tier i (if it admits them now)."""
         t = self.tiers[i]
-        if t.worker is None or not keys:
-            return
+        if t.worker is None or not keys or self._done(ctx):
+            return  # (a finished request's children must get no more submits)
         if t.in_flight + len(keys) > t.max_queue_depth:
             t.count("dropped_stores", len(keys))  # the tier is behind: shed, don't stall
             return
@@ -445,10 +484,7 @@ class TieringManager(OffloadingManager):
                 if not res.success and not is_store:
                     st.failed.update(keys)
                 st.jobs -= 1
-                if st.finished and st.jobs == 0:
-                    del self._requests[ctx.req_id]
-                    for t2 in self.tiers:
-                        t2.manager.on_request_finished(ctx)
+                self._maybe_finish(ctx, st)
 
     def on_schedule_end(self, context: ScheduleEndContext) -> None:
         self.primary.on_schedule_end(context)
@@ -495,11 +531,39 @@ class TieringManager(OffloadingManager):
         return OffloadingStats(tier=self.name, counters=counters, children=children)
 
     def reset_cache(self) -> None:
-        self.poll()
+        """vLLM's reset contract (see CPUOffloadingManager.reset_cache): the
+        engine's loads and stores in flight are dropped, never completed, and
+        on_reset_flushed() follows once its workers finished them. This
+        manager's own jobs (cascades reading CPU slots, promotions writing
+        them) are waited for and completed here, so none touches a CPU slot
+        after the reset; promotions queued but not submitted are dropped.
+        Promotions then stay held (secondary hits answer MISS) until
+        on_reset_flushed(): an engine job dropped by the reset may still
+        write a CPU slot a promotion would fill. Requests keep their state,
+        less the dropped store jobs; finished ones are finished now."""
+        self.wait_idle()
+        self._promote_queue.clear()
+        self._queued.clear()
         self.primary.reset_cache()
         for t in self.tiers:
             t.manager.reset_cache()
         self._offers.clear()
+        self._promotions_held = bool(self.tiers)
+        for st in list(self._requests.values()):
+            st.stores = 0  # dropped: complete_store will not come
+            st.cpu_hits.clear()
+        for st in list(self._requests.values()):
+            if st.finished and st.ctx is not None:
+                self._maybe_finish(st.ctx, st)
+
+    def on_reset_flushed(self) -> None:
+        """The engine's workers finished every job dropped by the resets so far."""
+        self.primary.on_reset_flushed()
+        self._promotions_held = False
+
+    def awaiting_flush(self) -> bool:
+        """True while slots of jobs dropped by a reset are held back."""
+        return self.primary.awaiting_flush()
 
     def shutdown(self) -> None:
         self.wait_idle()

@@ -211,18 +211,42 @@ def test_events_only_when_enabled():
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-def test_reset_cache_keeps_pinned_and_pending(policy):
+def test_reset_drops_jobs_in_flight_and_fences_their_slots_until_flushed(policy):
+    """vLLM's contract: jobs in flight at a reset are never completed, and
+    on_reset_flushed() says when the workers are done with their slots."""
     m = CPUOffloadingManager(4, policy)
     store(m, keys(1, 2))
     m.prepare_load(keys(1), None)
     m.prepare_store(keys(3), None)
     m.reset_cache()
-    assert [m.lookup(k, None) for k in keys(1, 2, 3)] == [
-        LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING]
-    assert len(m.policy) == 1 and len(m._free) == 2
-    m.complete_store(keys(3), None)
-    m.complete_load(keys(1), None)
-    assert len(m.policy) == 2
+    # nothing readable or pending: a dropped store's bytes may never land
+    assert [m.lookup(k, None) for k in keys(1, 2, 3)] == [LookupResult.MISS] * 3
+    g = m.get_stats().gauges
+    assert (g["pinned_blocks"], g["pending_blocks"], g["fenced_blocks"]) == (0, 0, 2)
+    assert len(m.policy) == 0 and len(m) == 0
+    # the fenced slots (a worker may still use them) are not handed out
+    out = m.prepare_store(keys(4, 5, 6), None)
+    assert out is None
+    out = m.prepare_store(keys(4, 5), None)
+    fenced = set(range(4)) - set(out.store_spec.block_ids.tolist()) - set(m._free)
+    assert len(fenced) == 2
+    with pytest.raises(BlockStateError):  # the dropped jobs' completions are refused
+        m.complete_load(keys(1), None)
+    m.on_reset_flushed()
+    assert m.get_stats().gauges["fenced_blocks"] == 0 and sorted(m._free) == sorted(fenced)
+    m.complete_store(keys(4, 5), None)
+    assert m.prepare_store(keys(6, 7), None) is not None  # the freed slots serve new stores
+
+
+def test_resets_before_a_flush_fence_cumulatively():
+    m = CPUOffloadingManager(3)
+    m.prepare_store(keys(1), None)
+    m.reset_cache()
+    m.prepare_store(keys(2), None)
+    m.reset_cache()  # vLLM flushes both resets' jobs before its one on_reset_flushed()
+    assert m.get_stats().gauges["fenced_blocks"] == 2 and len(m._free) == 1
+    m.on_reset_flushed()
+    assert len(m._free) == 3 and m.lookup(K(1), None) is LookupResult.MISS
 
 
 def test_stats_are_deltas_and_gauges_current():
@@ -296,9 +320,9 @@ def test_reset_cache_drops_arc_history():
     m.prepare_load(keys(5), None)
     m.reset_cache()
     assert not m.policy.b1 and not m.policy.b2 and m.policy.p == 0
-    assert K(5) in m.policy and len(m.policy) == 1
-    m.complete_load(keys(5), None)
-    assert m.prepare_store(keys(7, 8, 9, 10), None).evicted_keys == keys(5)
+    assert len(m.policy) == 0  # the pinned key is dropped too; its slot is fenced
+    m.on_reset_flushed()
+    assert m.prepare_store(keys(7, 8, 9, 10), None).evicted_keys == []
 
 
 def _req(name, ks):

@@ -35,6 +35,7 @@ class ManagerMachine(RuleBasedStateMachine):
         self.stores: list[list[bytes]] = []  # keys_to_store of stores in flight
         self.done_stores: list[list[bytes]] = []
         self.loads: list[list[bytes]] = []  # loads in flight
+        self.fenced = 0  # slots of jobs dropped by a reset, until on_reset_flushed
         self.ctx = self.new_request()
 
     def new_request(self) -> ReqContext:
@@ -60,7 +61,7 @@ class ManagerMachine(RuleBasedStateMachine):
     @rule(keys=key_lists, with_ctx=st.booleans())
     def prepare_store(self, keys, with_ctx):
         new = list(dict.fromkeys(k for k in keys if k not in self.state))
-        need = len(new) - (CAPACITY - len(self.state))
+        need = len(new) - (CAPACITY - len(self.state) - self.fenced)
         fits = need <= len(self.evictable(set(keys)))
         before = self.snapshot()
         out = self.m.prepare_store(keys, self.ctx if with_ctx else None)
@@ -138,9 +139,19 @@ class ManagerMachine(RuleBasedStateMachine):
 
     @rule()
     def reset_cache(self):
+        # vLLM's contract: jobs in flight are dropped, never completed; their
+        # slots stay out of use until on_reset_flushed()
         self.m.reset_cache()
-        for k in self.evictable(()):
-            del self.state[k]
+        self.fenced += sum(1 for k, s in self.state.items() if s == "pending" or self.pins[k])
+        self.state.clear()
+        self.pins.clear()
+        self.stores.clear()
+        self.loads.clear()
+
+    @rule()
+    def on_reset_flushed(self):
+        self.m.on_reset_flushed()
+        self.fenced = 0
 
     @rule(key=st.sampled_from(KEYS))
     def lookup(self, key):
@@ -154,7 +165,8 @@ class ManagerMachine(RuleBasedStateMachine):
         assert len(m) <= CAPACITY
         slots = list(m._slot_of.values())
         assert len(set(slots)) == len(slots)
-        assert sorted(slots + m._free) == list(range(CAPACITY))
+        assert sorted(slots + m._free + m._fenced) == list(range(CAPACITY))
+        assert len(m._fenced) == self.fenced
         ready = {k for k, s in self.state.items() if s == "ready"}
         assert {k for k in KEYS if k in m.policy} == ready and len(m.policy) == len(ready)
         for k, s in self.state.items():
@@ -162,7 +174,8 @@ class ManagerMachine(RuleBasedStateMachine):
             assert v == (-1 if s == "pending" else self.pins[k])
         g = m.get_stats().gauges
         assert g["pinned_blocks"] == sum(1 for k in self.state if self.pins[k])
-        assert g["used_blocks"] == len(self.state)
+        assert g["used_blocks"] == len(self.state) + self.fenced
+        assert g["pending_blocks"] == sum(1 for s in self.state.values() if s == "pending")
 
     @invariant()
     def events_pair_up(self):

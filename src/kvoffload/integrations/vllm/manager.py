@@ -2,8 +2,17 @@
 
 vLLM's scheduler calls this with its own types; each call converts them and
 forwards to the kvoffload manager. Subclassing vLLM's base gives us its
-defaults for whatever a vLLM version adds (0.33: lock, config_info,
-on_reset_flushed) unless our manager has the same thing.
+defaults for whatever a vLLM version adds (0.33: lock, config_info)
+unless our manager has the same thing.
+
+Resets (reset_prefix_cache(reset_connector=True)): vLLM drops the jobs in
+flight and never completes them. Our managers forget their keys at once
+and hold their slots back until told the workers are done with them
+(on_reset_flushed). vLLM 0.33 says so itself, through on_reset_flushed().
+vLLM 0.32 has no such call, but its worker waits for every job in flight at
+a reset before it starts any job submitted after it; so here the first
+completion of any job after a reset means the flush is done (and if no
+slot was held back, no job was in flight: done at once).
 """
 
 from __future__ import annotations
@@ -19,6 +28,9 @@ from kvoffload.integrations.vllm._compat import HAS_LOAD_SOURCE, CacheHitSource,
 class VLLMOffloadingManager(vbase.OffloadingManager):
     def __init__(self, inner: ko.OffloadingManager):
         self.inner = inner
+        self._flush_due = False  # 0.32: a reset not known flushed yet
+
+    _HAS_FLUSH_HOOK = hasattr(vbase.OffloadingManager, "on_reset_flushed")
 
     if hasattr(vbase.OffloadingManager, "lock"):
         @property
@@ -54,12 +66,16 @@ class VLLMOffloadingManager(vbase.OffloadingManager):
         self.inner.touch(keys, convert.req_context(req_context))
 
     def complete_load(self, keys: Collection[bytes], req_context: Any) -> None:
+        if self._flush_due:
+            self._flushed()
         self.inner.complete_load(keys, convert.req_context(req_context))
 
     def prepare_store(self, keys: Collection[bytes], req_context: Any) -> Any:
         return convert.prepare_store_output(self.inner.prepare_store(keys, convert.req_context(req_context)))
 
     def complete_store(self, keys: Collection[bytes], req_context: Any, success: bool = True) -> None:
+        if self._flush_due:
+            self._flushed()
         self.inner.complete_store(keys, convert.req_context(req_context), success)
 
     def on_new_request(self, req_context: Any) -> Any:
@@ -80,6 +96,20 @@ class VLLMOffloadingManager(vbase.OffloadingManager):
 
     def reset_cache(self) -> None:
         self.inner.reset_cache()
+        if not self._HAS_FLUSH_HOOK:  # 0.32: see the module docstring
+            awaiting = getattr(self.inner, "awaiting_flush", None)
+            self._flush_due = True
+            if awaiting is None or not awaiting():
+                self._flushed()
+
+    def on_reset_flushed(self) -> None:  # 0.33 calls it; 0.32 through _flushed()
+        self._flushed()
+
+    def _flushed(self) -> None:
+        self._flush_due = False
+        hook = getattr(self.inner, "on_reset_flushed", None)
+        if hook is not None:
+            hook()
 
     def get_stats(self) -> Any:
         return convert.connector_stats(self.inner.get_stats())

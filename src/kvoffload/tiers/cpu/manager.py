@@ -119,6 +119,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._free: list[int] = list(range(num_chunks - 1, -1, -1))  # pop() gives slot 0 first
         self._num_pinned = 0  # slots with state > 0
         self._num_pending = 0  # slots with state == PENDING
+        self._fenced: list[int] = []  # slots of jobs a reset dropped: free at on_reset_flushed
         self._protected: set[bytes] = set()  # keys of the store being prepared
         self._can_evict = self._make_can_evict()
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
@@ -374,18 +375,42 @@ class CPUOffloadingManager(OffloadingManager):
         return events
 
     def reset_cache(self) -> None:
-        """Drop every readable, unpinned key and the policy's history (ARC
-        ghosts and target). Pinned keys (loads in flight) and pending writes
-        keep their slots: a worker is still using them."""
-        state, free = self._state, self._free
-        dropped = [k for k, s in self._slot_of.items() if state[s] == 0]
-        for k in dropped:
-            free.append(self._slot_of.pop(k))
-        pinned = [k for k, s in self._slot_of.items() if state[s] > 0]
+        """Drop every key and the policy's history (ARC ghosts and target).
+
+        vLLM's contract: the loads and stores in flight at a reset are never
+        completed (complete_load/complete_store will not come for them), and
+        on_reset_flushed() is called once the workers have finished every one
+        of them. So their keys are forgotten now (a dropped store is never
+        readable: its bytes may never land), and their slots are fenced: held
+        out of the free list until on_reset_flushed(), since a worker may
+        still read or write them. Readable, unpinned slots are free at once.
+        """
+        state, free, fenced = self._state, self._free, self._fenced
+        removed = []
+        for k, s in self._slot_of.items():
+            v = state[s]
+            if v == 0:
+                free.append(s)
+            else:
+                fenced.append(s)
+                state[s] = 0
+            if v >= 0:  # announced stored: announce its removal
+                removed.append(k)
+        self._slot_of.clear()
+        self._num_pinned = self._num_pending = 0
         self.policy = type(self.policy)(self.num_chunks)
-        self.policy.insert(pinned, None)
-        if dropped and self._events is not None:
-            self._events.append(OffloadingEvent(dropped, self.medium, True, self.locality))
+        if removed and self._events is not None:
+            self._events.append(OffloadingEvent(removed, self.medium, True, self.locality))
+
+    def on_reset_flushed(self) -> None:
+        """The workers finished every job in flight at the earlier resets:
+        their fenced slots are free."""
+        self._free.extend(self._fenced)
+        self._fenced.clear()
+
+    def awaiting_flush(self) -> bool:
+        """True while slots of jobs dropped by a reset are held back."""
+        return bool(self._fenced)
 
     def get_stats(self) -> OffloadingStats:
         used = self.num_chunks - len(self._free)
@@ -411,6 +436,7 @@ class CPUOffloadingManager(OffloadingManager):
             "pending_blocks": self._num_pending,
             "usage": used / self.num_chunks,
             "queue_depth": self._num_pending,
+            "fenced_blocks": len(self._fenced),
         }
         self._zero_counters()
         return OffloadingStats(tier=self.name, medium=self.medium, locality=self.locality,
