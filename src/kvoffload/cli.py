@@ -14,6 +14,7 @@ COMMANDS = {
     "replay": "kvoffload.replay.cli",
     "demo": "kvoffload.demo",
     "stats": "kvoffload.stats",
+    "storage": "kvoffload.tiers.storage.check",
 }
 
 

@@ -1,0 +1,203 @@
+"""`kvoffload storage check DIR`: verify a storage directory, read-only.
+
+DIR is a storage tier's `path` (holding ns-<digest>/ directories) or one
+ns-<digest>/ directory. For each namespace it replays the index the way the
+tier does at open, reads every live chunk and checks its xxhash, and prints
+namespaces, chunks, bytes, bad records and bad chunks. Exit code 0: clean;
+1: damage found; 2: not a storage directory.
+
+It never writes (every file is opened O_RDONLY, never through a link) and
+takes no lock, so it can run beside an engine that has the directory open
+(a lock, even a shared one, would stop that engine from starting). A chunk
+the engine rewrites during the check can look bad: each bad chunk is
+re-checked against a fresh read of the index, and counted only if the index
+still names the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import xxhash
+
+from kvoffload.tiers.base import Namespace, align_up
+from kvoffload.tiers.storage.index import Geometry, IndexLog, read_header, replay_fd
+
+_RO = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+@dataclass
+class Report:
+    dir: Path
+    namespace: dict | None = None
+    chunks: int = 0
+    bytes: int = 0
+    bad_records: int = 0
+    bad_chunks: int = 0
+    torn_tail: int = 0
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def damaged(self) -> bool:
+        return bool(self.bad_records or self.bad_chunks or self.problems)
+
+
+def _read_namespace(dfd: int, rep: Report, digest: str) -> Namespace | None:
+    try:
+        fd = os.open("namespace.json", _RO, dir_fd=dfd)
+    except OSError as e:
+        rep.problems.append(f"namespace.json: {os.strerror(e.errno or 0)}")
+        return None
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(1 << 16)
+    try:
+        ns = Namespace(**json.loads(raw))
+    except (ValueError, TypeError):
+        rep.problems.append("namespace.json is " + ("empty" if not raw.strip() else "damaged"))
+        return None
+    rep.namespace = json.loads(raw)
+    if ns.digest() != digest:
+        rep.problems.append(f"namespace.json describes namespace {ns.digest()}, not {digest}")
+    return ns
+
+
+def _slab_fds(dfd: int, num_files: int, rep: Report) -> list[int | None]:
+    fds: list[int | None] = []
+    for i in range(num_files):
+        try:
+            fds.append(os.open(f"slab-{i}.bin", _RO | os.O_DIRECT, dir_fd=dfd))
+        except OSError:
+            try:  # no O_DIRECT here (tmpfs): buffered
+                fds.append(os.open(f"slab-{i}.bin", _RO, dir_fd=dfd))
+            except OSError as e:
+                rep.problems.append(f"slab-{i}.bin: {os.strerror(e.errno or 0)}")
+                fds.append(None)
+    return fds
+
+
+def check_namespace_dir(d: Path) -> Report:
+    rep = Report(d)
+    digest = d.name[len("ns-"):]
+    try:
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        rep.problems.append(f"cannot open: {os.strerror(e.errno or 0)}")
+        return rep
+    try:
+        ns = _read_namespace(dfd, rep, digest)
+        try:
+            ifd = os.open(IndexLog.NAME, _RO, dir_fd=dfd)
+        except FileNotFoundError:
+            return rep  # created, never stored to: empty
+        try:
+            found = read_header(ifd)
+            if found is not None and found[0] != digest:
+                rep.problems.append(f"{IndexLog.NAME} belongs to namespace {found[0]}")
+                return rep
+            if found is not None:
+                num_files, slot_bytes = found[1], found[2]
+            else:  # damaged header: the geometry the tier would have used
+                num_files = sum(1 for n in os.listdir(dfd) if n.startswith("slab-") and n.endswith(".bin"))
+                slot_bytes = align_up(ns.chunk_bytes) if ns and ns.chunk_bytes else 0
+            if not num_files or not slot_bytes:
+                rep.bad_records = 1
+                rep.problems.append("index header damaged and the geometry cannot be inferred")
+                return rep
+            geometry = Geometry(digest, slot_bytes, num_files)
+            replayed = replay_fd(ifd, geometry, 1 << 62)
+            if replayed.foreign:
+                rep.problems.append(f"{IndexLog.NAME} was written by another version or geometry")
+                return rep
+            rep.bad_records, rep.torn_tail = replayed.bad_records, replayed.torn_tail
+            fds = _slab_fds(dfd, num_files, rep)
+            try:
+                bad = _verify(replayed.entries, fds, geometry)
+                if bad:  # the engine may have rewritten them meanwhile: ask the index again
+                    now = replay_fd(ifd, geometry, 1 << 62).entries
+                    bad = _verify({s: now[s] for s in bad if now.get(s) == replayed.entries[s]}, fds, geometry)
+            finally:
+                for fd in fds:
+                    if fd is not None:
+                        os.close(fd)
+            rep.chunks = len(replayed.entries)
+            rep.bytes = rep.chunks * slot_bytes
+            rep.bad_chunks = len(bad)
+        finally:
+            os.close(ifd)
+    finally:
+        os.close(dfd)
+    return rep
+
+
+def _verify(entries: dict[int, tuple[bytes, int]], fds: list[int | None], g: Geometry) -> list[int]:
+    """Slots whose bytes do not match their index checksum (or cannot be read)."""
+    buf = mmap.mmap(-1, g.slot_bytes)  # page-aligned, as O_DIRECT needs
+    try:
+        bad = []
+        for slot, (_, checksum) in entries.items():
+            fd = fds[slot % g.num_files]
+            try:
+                ok = fd is not None and os.preadv(fd, [buf], (slot // g.num_files) * g.slot_bytes) == g.slot_bytes \
+                    and xxhash.xxh3_64_intdigest(buf) == checksum
+            except OSError:
+                ok = False
+            if not ok:
+                bad.append(slot)
+        return bad
+    finally:
+        buf.close()
+
+
+def check(path: Path) -> list[Report] | None:
+    """A report per namespace directory, or None if path holds none."""
+    path = Path(path)
+    if path.name.startswith("ns-") and path.is_dir():
+        dirs = [path]
+    elif path.is_dir():
+        dirs = sorted(p for p in path.iterdir() if p.name.startswith("ns-") and not p.is_symlink() and p.is_dir())
+    else:
+        return None
+    return [check_namespace_dir(d) for d in dirs] or None
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
+def format_report(r: Report) -> str:
+    ns = r.namespace or {}
+    what = " ".join(f"{k}={ns[k]}" for k in ("model", "dtype", "block_size", "parallel_layout") if k in ns)
+    line = (f"{r.dir}: {what or '(namespace unknown)'}: {_plural(r.chunks, 'chunk')}, {r.bytes:,} bytes, "
+            f"{_plural(r.bad_records, 'bad record')}, {_plural(r.bad_chunks, 'bad chunk')}")
+    if r.torn_tail:
+        line += f" ({_plural(r.torn_tail, 'torn record')} at the end: an interrupted append, harmless)"
+    return "\n".join([line, *(f"  damaged: {p}" for p in r.problems)])
+
+
+def run(args) -> int:
+    reports = check(args.dir)
+    if reports is None:
+        print(f"kvoffload storage check: {args.dir} holds no storage namespace (ns-*/)", file=sys.stderr)
+        return 2
+    for r in reports:
+        print(format_report(r))
+    damaged = sum(r.damaged for r in reports)
+    print(f"total: {_plural(len(reports), 'namespace')}, {_plural(sum(r.chunks for r in reports), 'chunk')}, "
+          f"{sum(r.bytes for r in reports):,} bytes, {_plural(sum(r.bad_records for r in reports), 'bad record')}, "
+          f"{_plural(sum(r.bad_chunks for r in reports), 'bad chunk')}: "
+          + (f"DAMAGED ({_plural(damaged, 'namespace')})" if damaged else "ok"))
+    return 1 if damaged else 0
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("storage", help="inspect a storage tier's directory")
+    p.set_defaults(func=lambda args: p.print_help() or 2)
+    sub = p.add_subparsers(dest="storage_command", metavar="ACTION")
+    c = sub.add_parser("check", help="verify every chunk's checksum, read-only (safe beside a running engine)")
+    c.add_argument("dir", type=Path, help="the storage tier's path, or one ns-<digest> directory in it")
+    c.set_defaults(func=run)
