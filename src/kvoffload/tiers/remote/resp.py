@@ -15,14 +15,23 @@ from __future__ import annotations
 import socket
 import ssl
 
-from kvoffload.tiers.remote.value import HEADER_BYTES, check_header, make_header, payload_ok
-
-OK, MISSING, CORRUPT, ERROR = 0, 1, 2, 3
+from kvoffload.tiers.remote.value import (  # noqa: F401 - the statuses are part of this module's API
+    BAD_MAC,
+    CORRUPT,
+    ERROR,
+    HEADER_BYTES,
+    MISSING,
+    OK,
+    WRONG_KEY,
+    WRONG_TYPE,
+    ValueCodec,
+)
 _IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
 
 
 class RawConnection:
-    def __init__(self, conn):
+    def __init__(self, conn, codec: ValueCodec | None = None):
+        self.codec = codec or ValueCodec()
         conn.connect()  # redis-py: TCP/unix/TLS, AUTH/ACL, SELECT
         self.conn = conn
         self.sock: socket.socket = conn._sock
@@ -112,9 +121,10 @@ class RawConnection:
         argc = b"*3" if ttl_s is None else b"*5"
         pieces: list = []
         pending = b""
+        header = self.codec.header
         for k, p in zip(keys, payloads):
             pieces.append(pending + b"%s\r\n$3\r\nSET\r\n$%d\r\n%s\r\n$%d\r\n%s" % (
-                argc, len(k), k, HEADER_BYTES + len(p), make_header(p)))
+                argc, len(k), k, HEADER_BYTES + len(p), header(k, p)))
             pieces.append(p)
             pending = tail
         pieces.append(pending)
@@ -128,8 +138,9 @@ class RawConnection:
         return ok
 
     def get_many_into(self, keys: list[bytes], dsts: list[memoryview], batch_bytes: int) -> list[int]:
-        """GET each key into its destination buffer, verifying the header and
-        checksum. Returns a status per key: OK, MISSING, CORRUPT or ERROR.
+        """GET each key into its destination buffer, verifying the header,
+        checksum, key binding and MAC. Returns a status per key: OK, MISSING,
+        CORRUPT, WRONG_KEY, BAD_MAC, WRONG_TYPE or ERROR.
         GETs go out one window ahead of the replies being read, so the
         server works while we copy, and its output buffer stays bounded."""
         windows = []
@@ -149,13 +160,13 @@ class RawConnection:
             if w + 1 < len(windows):
                 self._send_gets(keys, *windows[w + 1])
             for i in range(a, b):
-                status[i] = self._read_value(dsts[i])
+                status[i] = self._read_value(keys[i], dsts[i])
         return status
 
     def _send_gets(self, keys: list[bytes], a: int, b: int) -> None:
         self._send([b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%s\r\n" % (len(k), k) for k in keys[a:b])])
 
-    def _read_value(self, dst: memoryview) -> int:
+    def _read_value(self, key: bytes, dst: memoryview) -> int:
         line = self._line()
         kind = line[:1]
         if kind == b"$":
@@ -166,16 +177,16 @@ class RawConnection:
                 self._skip(n + 2)
                 return CORRUPT
             self._read_into(memoryview(self._hdr))
-            checksum = check_header(self._hdr, len(dst))
-            if checksum is None:
+            if not self.codec.shape_ok(self._hdr, len(dst)):
                 self._skip(len(dst) + 2)
                 return CORRUPT
-            self._read_into(dst)
+            self._read_into(dst)  # straight into the pool slot, checked in place
             self._skip(2)
-            return OK if payload_ok(dst, checksum) else CORRUPT
+            return self.codec.verify(key, self._hdr, dst)
         if kind == b"_":  # RESP3 null
             return MISSING
         if kind == b"-":
             self.last_error = line[1:]
-            return ERROR
+            # a list/hash/... under our key: not ours, and it would fail on every request
+            return WRONG_TYPE if line.startswith(b"-WRONGTYPE") else ERROR
         raise ConnectionError(f"unexpected reply to GET: {line[:80]!r}")

@@ -22,7 +22,7 @@ from kvoffload.tiers.remote.config import RemoteConfig
 from kvoffload.tiers.remote.connection import build_client, check_server
 from kvoffload.tiers.remote.manager import RemoteOffloadingManager
 from kvoffload.tiers.remote.state import SharedState
-from kvoffload.tiers.remote.value import KeySpace
+from kvoffload.tiers.remote.value import KeySpace, ValueCodec
 from kvoffload.tiers.remote.worker import RemoteTierWorker
 
 
@@ -37,9 +37,14 @@ class RemoteTier(SecondaryTier):
         self.name = name
         self.enable_events = enable_events
         self.keyspace = KeySpace(self.config.key_prefix, namespace)
+        self.codec = ValueCodec(self.config.load_mac_key())  # before connecting: a bad key opens nothing
         self.state = SharedState(self.config)
         self.client = build_client(self.config)
-        self.reachable_at_start = check_server(self.client, self.config)
+        try:
+            self.reachable_at_start = check_server(self.client, self.config)
+        except BaseException:  # e.g. a bad password: close what we opened
+            self.client.close()
+            raise
         self._manager: RemoteOffloadingManager | None = None
         self._worker: RemoteTierWorker | None = None
 
@@ -65,7 +70,7 @@ class RemoteTier(SecondaryTier):
             if ns_bytes and align_up(ns_bytes) != pool.chunk_bytes:
                 raise ValueError(f"remote tier: namespace says {ns_bytes}-byte chunks, "
                                  f"host pool holds {pool.used_chunk_bytes}")
-            self._worker = RemoteTierWorker(pool, self.client, self.config, self.state)
+            self._worker = RemoteTierWorker(pool, self.client, self.config, self.state, self.codec)
         return self._worker
 
     def shutdown(self) -> None:

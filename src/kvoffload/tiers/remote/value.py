@@ -1,13 +1,26 @@
-"""What a remote value is: a 24-byte header, then the chunk's bytes.
+"""What a remote value is: a 48-byte header, then the chunk's bytes.
 
-    magic b"KVOF" | version u16 | flags u16 (0 in v1) | payload length u64 | xxh3_64 u64
+    magic b"KVOF" | version u16 | flags u16 | payload length u64
+    | xxh3_64(full Redis key) u64 | xxh3_64(header so far + payload) u64 | MAC 16 bytes
 
-Checked on every load: a wrong magic, version, length or checksum (a
-truncated, foreign or corrupted value) is a miss, never served.
+The key hash binds a value to the key (prefix, namespace digest, offload
+key) it was stored under: a value copied or renamed under another key, or
+another namespace's value, is refused. The checksum covers the header
+before it (so the key hash and length cannot be flipped unseen) and the
+payload. With a shared secret (remote.mac_key_file / mac_key_env), flag
+MAC is set and the last field is BLAKE2b keyed over key + header + payload:
+someone who can write to the server but lacks the secret cannot forge a
+value. Without one the MAC field is zero.
+
+Checked on every load: anything else (a truncated, foreign, corrupted,
+misplaced or forged value, or a version 1 value from before the key
+binding) is a miss, counted, never served.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 
 import xxhash
@@ -16,26 +29,75 @@ from kvoffload.abstractions import LoadStoreSpec
 from kvoffload.tiers.base import Namespace
 
 MAGIC = b"KVOF"
-VERSION = 1
-HEADER = struct.Struct("<4sHHQQ")
-HEADER_BYTES = HEADER.size  # 24
+VERSION = 2  # 1: no key hash, no MAC
+FLAG_MAC = 1
+HEADER = struct.Struct("<4sHHQQQ16s")
+HEADER_BYTES = HEADER.size  # 48
+_CHECKED = 24  # header bytes covered by the checksum: through the key hash
+_MACED = 32  # header bytes covered by the MAC: through the checksum
+MAC_BYTES = 16
+_NO_MAC = bytes(MAC_BYTES)
+
+# what a load found under a key
+OK, MISSING, CORRUPT, ERROR, WRONG_KEY, BAD_MAC, WRONG_TYPE = range(7)
 
 
-def make_header(payload) -> bytes:
-    return HEADER.pack(MAGIC, VERSION, 0, len(payload), xxhash.xxh3_64_intdigest(payload))
+def key_hash(redis_key: bytes) -> int:
+    return xxhash.xxh3_64_intdigest(redis_key)
 
 
-def check_header(header, expected_len: int) -> int | None:
-    """The checksum the payload must have, or None if the header is not ours
-    or announces another length."""
-    magic, version, flags, length, checksum = HEADER.unpack(header)
-    if magic != MAGIC or version != VERSION or flags != 0 or length != expected_len:
-        return None
-    return checksum
+class ValueCodec:
+    """Makes and checks headers; holds the MAC key (never shown)."""
 
+    def __init__(self, mac_key: bytes | None = None):
+        self._mac_key = mac_key
 
-def payload_ok(payload, checksum: int) -> bool:
-    return xxhash.xxh3_64_intdigest(payload) == checksum
+    @property
+    def has_mac(self) -> bool:
+        return self._mac_key is not None
+
+    def __repr__(self) -> str:
+        return f"ValueCodec(mac={'on' if self._mac_key else 'off'})"
+
+    def _mac(self, redis_key: bytes, head, payload) -> bytes:
+        m = hashlib.blake2b(key=self._mac_key, digest_size=MAC_BYTES)
+        m.update(len(redis_key).to_bytes(4, "little"))
+        m.update(redis_key)
+        m.update(head)
+        m.update(payload)
+        return m.digest()
+
+    def header(self, redis_key: bytes, payload) -> bytes:
+        flags = FLAG_MAC if self._mac_key is not None else 0
+        head = struct.pack("<4sHHQQ", MAGIC, VERSION, flags, len(payload), key_hash(redis_key))
+        h = xxhash.xxh3_64(head)
+        h.update(payload)
+        head += struct.pack("<Q", h.intdigest())
+        return head + (self._mac(redis_key, head, payload) if flags else _NO_MAC)
+
+    @staticmethod
+    def shape_ok(header, expected_len: int) -> bool:
+        """Whether a header is ours, this version, for a payload of this length
+        (checked before reading the payload; verify() does the rest)."""
+        magic, version, flags, length, _, _, _ = HEADER.unpack(header)
+        return magic == MAGIC and version == VERSION and not flags & ~FLAG_MAC and length == expected_len
+
+    def verify(self, redis_key: bytes, header, payload) -> int:
+        """OK, or why the value under redis_key must not be served."""
+        _, _, flags, _, khash, checksum, mac = HEADER.unpack(header)
+        head = memoryview(header)[:_CHECKED]
+        h = xxhash.xxh3_64(head)
+        h.update(payload)
+        if h.intdigest() != checksum or (not flags & FLAG_MAC and mac != _NO_MAC):
+            return CORRUPT
+        if khash != key_hash(redis_key):
+            return WRONG_KEY
+        if self._mac_key is not None:
+            # a value without a MAC, or with another key's, is a forgery here
+            if not flags & FLAG_MAC or not hmac.compare_digest(
+                    mac, self._mac(redis_key, memoryview(header)[:_MACED], payload)):
+                return BAD_MAC
+        return OK
 
 
 class KeySpace:

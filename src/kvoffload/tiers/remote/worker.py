@@ -24,14 +24,20 @@ from kvoffload.tiers.remote.config import RemoteConfig
 from kvoffload.tiers.remote.connection import NETWORK_ERRORS
 from kvoffload.tiers.remote.resp import RawConnection
 from kvoffload.tiers.remote.state import SharedState
-from kvoffload.tiers.remote.value import RemoteLoadStoreSpec
+from kvoffload.tiers.remote.value import RemoteLoadStoreSpec, ValueCodec
+
+# Values that must go: a later store rewrites the key (SET replaces any type).
+_DELETE = {resp.CORRUPT: "checksum_failures", resp.WRONG_KEY: "wrong_key_values",
+           resp.BAD_MAC: "mac_failures", resp.WRONG_TYPE: "wrong_type_keys"}
 
 log = logging.getLogger(__name__)
 
 
 class RemoteTierWorker(TierWorker):
-    def __init__(self, pool: HostPool, client, cfg: RemoteConfig, state: SharedState):
+    def __init__(self, pool: HostPool, client, cfg: RemoteConfig, state: SharedState,
+                 codec: ValueCodec | None = None):
         self.pool = pool
+        self._codec = codec or ValueCodec()
         self.payload_bytes = pool.used_chunk_bytes  # bytes of a chunk that carry data
         self._client = client
         self._cluster = cfg.cluster
@@ -176,11 +182,12 @@ class RemoteTierWorker(TierWorker):
         c.add("loaded_bytes", n_ok * self.payload_bytes)
         if n_ok == len(keys):
             return True
-        corrupt = [keys[i] for i, s in enumerate(status) if s == resp.CORRUPT]
+        corrupt = [keys[i] for i, s in enumerate(status) if s in _DELETE]
         for i, s in enumerate(status):
             if s != resp.OK:
                 self._state.gone_keys.append(offload_keys[i])
-        c.add("checksum_failures", len(corrupt))
+            if s in _DELETE:
+                c.add(_DELETE[s])
         c.add("load_misses", status.count(resp.MISSING))
         c.add("load_failures", len(keys) - n_ok)
         if corrupt:  # delete so it is not found (and failed) again; the next store rewrites it
@@ -203,7 +210,7 @@ class RemoteTierWorker(TierWorker):
 
     def _connect(self, node) -> RawConnection:
         pool = self._client.connection_pool if node is None else self._client.get_redis_connection(node).connection_pool
-        return RawConnection(pool.make_connection())
+        return RawConnection(pool.make_connection(), self._codec)
 
     def _refresh_topology(self) -> None:
         with self._topology_lock:
