@@ -5,7 +5,7 @@ from kvoffload.cli import main
 
 def test_default_workload_end_to_end(tmp_path, capsys):
     js, md, plots = tmp_path / "r.json", tmp_path / "r.md", tmp_path / "plots"
-    rc = main(["replay", "--sessions", "15", "--no-progress", "--oracle", "--json", str(js),
+    rc = main(["replay", "--sessions", "15", "--no-progress", "--oracle", "--order", "legacy", "--json", str(js),
                "--markdown", str(md), "--plot-dir", str(plots)])
     assert rc == 0
     out = capsys.readouterr().out

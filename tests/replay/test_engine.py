@@ -13,8 +13,11 @@ from kvoffload.replay.traces import load_trace
 
 
 def opts(cpu_blocks, **kw):
+    """Legacy order by default: the trace README's reference semantics, so
+    hit counts can be worked out by hand (test_vllm_order.py covers vLLM's)."""
     extra = {"num_cpu_chunks": cpu_blocks, "eviction_policy": kw.pop("policy", "lru")}
     extra.update(kw.pop("extra", {}))
+    kw.setdefault("order", "legacy")
     return EngineOptions(extra_config=extra, progress=False, **kw)
 
 

@@ -28,6 +28,7 @@ def traces(draw):
 
 
 def _opts(cap, policy="lru", **kw):
+    kw.setdefault("order", "legacy")  # the offline simulators follow the legacy order
     return EngineOptions(extra_config={"num_cpu_chunks": cap, "eviction_policy": policy}, progress=False, **kw)
 
 
@@ -47,9 +48,9 @@ def test_lru_replay_equals_offline_lru_and_never_beats_belady(trace, cap):
 
 
 @SETTINGS
-@given(traces(), st.integers(0, 8), st.integers(1, 3))
-def test_every_prompt_token_is_accounted_once(trace, gpu_blocks, max_running):
-    r = replay(trace, _opts(6, gpu_blocks=gpu_blocks, max_running=max_running))
+@given(traces(), st.integers(0, 8), st.integers(1, 3), st.sampled_from(["legacy", "vllm"]))
+def test_every_prompt_token_is_accounted_once(trace, gpu_blocks, max_running, order):
+    r = replay(trace, _opts(6, gpu_blocks=gpu_blocks, max_running=max_running, order=order))
     c = r.counters
     assert c["gpu_hit_tokens"] + c["offload_hit_tokens"] + c["recomputed_tokens"] == c["prompt_tokens"]
     assert c["gpu_hit_blocks"] + c["offload_hit_blocks"] <= c["block_refs"]

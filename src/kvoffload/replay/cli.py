@@ -68,6 +68,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--sync-tiers", action="store_true",
                    help="let the tiers finish cascading stores before each new request (deterministic)")
     e.add_argument("--strict", action="store_true", help="stop at the first byte mismatch")
+    e.add_argument("--order", choices=("vllm", "legacy"), default="vllm",
+                   help="manager call order: vllm (default): vLLM's scheduler and OffloadingConnector (a "
+                        "request finishes before its stores land; no touch); legacy: stores land before "
+                        "the request finishes (the trace README's semantics: equals the --oracle LRU)")
+    for flag, what in (("--preempt-every", "preempt the newest decoding request every N steps"),
+                       ("--abort-every", "abort every N-th request in the step it is scheduled"),
+                       ("--reset-every", "reset the offload cache (vLLM's reset contract) every N steps")):
+        e.add_argument(flag, type=int, default=0, metavar="N", help=f"--order vllm: {what} (default 0: never)")
     o = p.add_argument_group("output")
     o.add_argument("--oracle", action="store_true", help="also simulate LRU and Belady at the same capacity")
     o.add_argument("--sweep", help="comma-separated CPU capacities (blocks or N%%) to replay in turn")
@@ -161,7 +169,8 @@ def build_options(args, trace: Trace, cpu_blocks: str | None = None):
         max_running=args.max_running, arrival=args.arrival, time_compression=args.time_compression,
         prefill_tokens_per_s=args.prefill_tokens_per_s, strict=args.strict, sync_tiers=args.sync_tiers,
         progress=not args.no_progress, metrics=getattr(args, "_metrics", None),
-        events=getattr(args, "_events", None),
+        events=getattr(args, "_events", None), order=args.order, preempt_every=args.preempt_every,
+        abort_every=args.abort_every, reset_every=args.reset_every,
     )
 
 
