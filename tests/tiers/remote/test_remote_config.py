@@ -22,6 +22,10 @@ from kvoffload.tiers.remote.connection import Backoff
     ({"batch_bytes": "lots"}, "remote.batch_bytes"),
     ({"backoff_initial_s": 2.0, "backoff_max_s": 1.0}, "remote.backoff_max_s"),
     ({"cluster": True, "url": "unix:///tmp/x.sock"}, "remote.cluster"),
+    ({"lookup_deadline_s": 0}, "remote.lookup_deadline_s"),
+    ({"lookup_deadline_s": 0.001, "lookup_coalesce_s": 0.002}, "remote.lookup_deadline_s"),
+    ({"mac_key_file": 5}, "remote.mac_key_file"),
+    ({"mac_key_file": "/k", "mac_key_env": "K"}, "remote.mac_key_file"),
 ])
 def test_bad_values_name_the_key(bad, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

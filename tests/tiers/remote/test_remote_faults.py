@@ -95,6 +95,38 @@ def test_hung_server_times_out_then_recovers(fresh_server, prefix):
         tier.shutdown()
 
 
+@pytest.mark.timeout(120)
+def test_paused_server_delays_a_lookup_by_the_deadline_only(fresh_server, prefix):
+    """SIGSTOP with a long socket timeout: only lookup_deadline_s bounds the
+    wait. The lookup must answer MISS while the server is still stopped."""
+    srv = fresh_server.start()
+    tier, m, w, pool = make_tier(srv.url, prefix, num_chunks=8, chunk_bytes=16 << 10, socket_timeout_s=60.0,
+                                 lookup_deadline_s=0.2, lookup_cache_s=30.0, miss_cache_s=0.05)
+    try:
+        keys = keys_for(3, seed=33)
+        fill(pool, range(3), seed=33)
+        assert store(m, w, keys, [0, 1, 2])
+        m.reset_cache()
+        srv.proc.send_signal(signal.SIGSTOP)
+        try:
+            # lookup() gives up (fails the test) after ~2000 RETRY steps, far below the socket timeout
+            assert lookup(m, keys[0]) is LookupResult.MISS
+            assert lookup(m, keys[1]) is LookupResult.MISS  # a new key does not queue behind the stuck check
+            assert srv.proc.poll() is None  # still there, still stopped: the answers came without it
+            c = m.get_stats().counters
+            assert c["lookup_timeouts"] >= 2
+        finally:
+            srv.proc.send_signal(signal.SIGCONT)
+        # the check in flight completes once the server runs again; answers are HITs again
+        deadline = time.monotonic() + 30
+        while lookup(m, keys[2]) is not LookupResult.HIT:
+            assert time.monotonic() < deadline, "no HIT after the server resumed"
+            time.sleep(0.01)
+        assert lookup(m, keys[0]) is LookupResult.HIT
+    finally:
+        tier.shutdown()
+
+
 @pytest.mark.timeout(30)
 def test_unreachable_at_start_serves_misses(prefix):
     url = f"redis://127.0.0.1:{free_port()}/0"

@@ -74,6 +74,9 @@ class RemoteConfig:
         if self.backoff_max_s < self.backoff_initial_s:
             raise ConfigError(f"remote.backoff_max_s ({self.backoff_max_s}) must be >= "
                               f"remote.backoff_initial_s ({self.backoff_initial_s})")
+        if self.lookup_deadline_s <= self.lookup_coalesce_s:
+            raise ConfigError(f"remote.lookup_deadline_s ({self.lookup_deadline_s}) must be more than "
+                              f"remote.lookup_coalesce_s ({self.lookup_coalesce_s})")
         if self.mac_key_file is not None and self.mac_key_env is not None:
             raise ConfigError("remote.mac_key_file and remote.mac_key_env: give at most one")
 

@@ -5,12 +5,17 @@ thread waits a moment so the keys looked up during one scheduler step go
 out together (or until on_schedule_end flushes), sends one pipeline of
 EXISTS, and leaves (key, present) answers in `results` for the manager to
 pick up. present is None when the server could not be asked.
+
+`busy_since` says since when the current round has been waiting on the
+server (0.0: not waiting), so the manager can stop queueing lookups
+behind a server that does not answer (see lookup_deadline_s).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections import deque
 
 import redis
@@ -35,6 +40,7 @@ class ExistenceChecker:
         self._wake = threading.Event()
         self._flush = threading.Event()
         self._stopping = False
+        self.busy_since = 0.0
         self._thread = threading.Thread(target=self._run, name="kvoffload-remote-lookup", daemon=True)
         self._thread.start()
 
@@ -67,13 +73,17 @@ class ExistenceChecker:
             while self._queue:
                 keys.append(self._queue.popleft())
             for i in range(0, len(keys), PIPELINE_KEYS):
-                self._check(keys[i : i + PIPELINE_KEYS])
+                try:
+                    self._check(keys[i : i + PIPELINE_KEYS])
+                finally:
+                    self.busy_since = 0.0
 
     def _check(self, keys: list[bytes]) -> None:
         backoff = self._state.backoff
         if not backoff.available():
             self.results.extend((k, None) for k in keys)
             return
+        self.busy_since = time.monotonic()
         try:
             pipe = self._client.pipeline(transaction=False)
             for rk in self._keyspace.redis_keys(keys):

@@ -6,7 +6,10 @@ answers: keys known present (trusted for lookup_cache_s) or absent (for
 the shorter miss_cache_s, so blocks other engines store show up soon),
 keys whose existence check is in flight, and keys this process is
 storing. It never waits on the network: an unknown key is queued for the
-background checker and answered RETRY.
+background checker and answered RETRY, and a key still unanswered
+lookup_deadline_s after it was first asked is a MISS (as is a new key
+while the checker has been stuck longer than that), so a paused or slow
+server delays a request by at most that deadline.
 """
 
 from __future__ import annotations
@@ -53,13 +56,14 @@ class RemoteOffloadingManager(OffloadingManager):
         # key -> monotonic expiry; insertion order is expiry order (one TTL per dict)
         self._present: OrderedDict[bytes, float] = OrderedDict()
         self._absent: OrderedDict[bytes, float] = OrderedDict()
-        self._checking: set[bytes] = set()
+        self._checking: dict[bytes, float] = {}  # key -> when its lookup gives up (MISS)
         self._storing: set[bytes] = set()
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._reconnects_seen = 0
         self._next_prune = 0.0
         # scheduler-thread counters (no lock); the worker's are in state.counters
-        self._c: dict[str, float] = dict.fromkeys(("lookups", "hits", "misses", "hits_pending", "retries"), 0)
+        self._c: dict[str, float] = dict.fromkeys(
+            ("lookups", "hits", "misses", "hits_pending", "retries", "lookup_timeouts"), 0)
         self._checker = ExistenceChecker(client, keyspace, state, cfg.lookup_coalesce_s)
         self._results, self._gone = self._checker.results, state.gone_keys
         self._n = 0
@@ -72,7 +76,7 @@ class RemoteOffloadingManager(OffloadingManager):
             hit_exp, miss_exp = now + self._cfg.lookup_cache_s, now + self._cfg.miss_cache_s
             while results:
                 key, present = results.popleft()
-                self._checking.discard(key)
+                self._checking.pop(key, None)
                 if present is None:  # not asked (server down): no answer to cache
                     continue
                 if present:
@@ -116,13 +120,23 @@ class RemoteOffloadingManager(OffloadingManager):
         if exp is not None and exp > _now():
             c["misses"] += 1
             return MISS
-        if key in self._checking:
-            c["retries"] += 1
-            return RETRY
+        give_up = self._checking.get(key)
+        if give_up is not None:
+            if _now() < give_up:
+                c["retries"] += 1
+                return RETRY
+            c["misses"] += 1
+            c["lookup_timeouts"] += 1
+            return MISS
         if not self._state.backoff.available():
             c["misses"] += 1
             return MISS
-        self._checking.add(key)
+        busy = self._checker.busy_since
+        if busy and _now() - busy > self._cfg.lookup_deadline_s:  # stuck server: don't queue behind it
+            c["misses"] += 1
+            c["lookup_timeouts"] += 1
+            return MISS
+        self._checking[key] = _now() + self._cfg.lookup_deadline_s
         self._checker.ask(key)
         self._ask_rest_of_prefix(key, req_context)
         c["retries"] += 1
@@ -138,10 +152,11 @@ class RemoteOffloadingManager(OffloadingManager):
             return
         now, present, absent = _now(), self._present, self._absent
         checking, storing, ask = self._checking, self._storing, self._checker.ask
+        give_up = now + self._cfg.lookup_deadline_s
         for k, p in positions.items():
             if (p > pos and present.get(k, 0.0) <= now and absent.get(k, 0.0) <= now
                     and k not in checking and k not in storing):
-                checking.add(k)
+                checking[k] = give_up
                 ask(k)
 
     def prefetch(self, keys: Iterable[OffloadKey]) -> None:
@@ -152,10 +167,11 @@ class RemoteOffloadingManager(OffloadingManager):
         if not self._state.backoff.available():
             return
         now = _now()
+        give_up = now + self._cfg.lookup_deadline_s
         for key in keys:
             if (self._present.get(key, 0.0) <= now and self._absent.get(key, 0.0) <= now
                     and key not in self._checking and key not in self._storing):
-                self._checking.add(key)
+                self._checking[key] = give_up
                 self._checker.ask(key)
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> RemoteLoadStoreSpec:
