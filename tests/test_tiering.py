@@ -410,7 +410,7 @@ def test_a_refused_store_is_not_an_offer(rig):
     assert r.tier.manager.lookup(key(1), ctx) is MISS
 
 
-def test_reset_drops_engine_jobs_and_holds_promotions_until_flushed(rig):
+def test_reset_drops_engine_jobs_and_fences_their_slots_until_flushed(rig):
     r = rig(cpu_chunks=4)
     calls = []
     _spy(r.tier.manager, calls)
@@ -428,17 +428,19 @@ def test_reset_drops_engine_jobs_and_holds_promotions_until_flushed(rig):
     g = r.cpu.get_stats().gauges
     assert (g["pinned_blocks"], g["pending_blocks"], g["fenced_blocks"]) == (0, 0, 2)
     assert r.mgr.lookup(key(1), a) is MISS  # a dropped store is never readable
-    # reset_cache also resets the storage tier here; store key 0 there again
-    r.gpu_store([key(0)], a)
-    r.settle()
-    r.cpu.reset_cache()  # CPU forgets key 0 (no jobs in flight: nothing more fenced)
+    # reset_cache also resets the storage tier here; store keys there again
+    for i in (0, 2):
+        r.gpu_store([key(i)], a)
+        r.settle()
+    r.cpu.reset_cache()  # CPU forgets them (no jobs in flight: nothing more fenced)
     assert r.tier.manager.lookup(key(0), a) is HIT
-    assert r.mgr.lookup(key(0), a) is MISS  # held: a promotion could land on a fenced slot
-    r.mgr.on_reset_flushed()
-    assert r.cpu.get_stats().gauges["fenced_blocks"] == 0
-    assert r.mgr.lookup(key(0), a) is PENDING
+    # promotions take free slots only, never the fenced ones a late copy may still write
+    assert r.mgr.lookup(key(0), a) is PENDING and r.mgr.lookup(key(2), a) is PENDING
     r.settle()
-    assert r.mgr.lookup(key(0), a) is HIT
+    assert r.mgr.lookup(key(0), a) is HIT and r.mgr.lookup(key(2), a) is HIT
+    assert r.cpu.get_stats().gauges["fenced_blocks"] == 2
+    r.mgr.on_reset_flushed()
+    assert r.cpu.get_stats().gauges["fenced_blocks"] == 0 and len(r.cpu._free) == 2
     r.mgr.on_request_finished(a)
     r.settle()
     assert not r.mgr._requests and not r.mgr.has_pending_work()

@@ -168,7 +168,6 @@ class TieringManager(OffloadingManager):
         self._count_offers = any(t.store_threshold > 1 for t in tiers)
         self._max_tracked_offers = max_tracked_offers
         self._counters: dict[str, float] = {}
-        self._promotions_held = False  # from reset_cache() to on_reset_flushed()
 
     def attach_workers(self, workers: list[TierWorker]) -> None:
         for t, w in zip(self.tiers, workers, strict=True):
@@ -249,8 +248,6 @@ class TieringManager(OffloadingManager):
     def _lookup_secondary(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         if key in self._queued:
             return _PENDING
-        if self._promotions_held:  # a reset's dropped jobs may still write CPU slots
-            return _MISS
         st = self._state(ctx)
         if key in st.failed:
             return _MISS
@@ -537,10 +534,10 @@ class TieringManager(OffloadingManager):
         manager's own jobs (cascades reading CPU slots, promotions writing
         them) are waited for and completed here, so none touches a CPU slot
         after the reset; promotions queued but not submitted are dropped.
-        Promotions then stay held (secondary hits answer MISS) until
-        on_reset_flushed(): an engine job dropped by the reset may still
-        write a CPU slot a promotion would fill. Requests keep their state,
-        less the dropped store jobs; finished ones are finished now."""
+        Later promotions need no hold: the CPU slots an engine job dropped
+        by the reset may still write are fenced, never handed out, until
+        on_reset_flushed(). Requests keep their state, less the dropped
+        store jobs; finished ones are finished now."""
         self.wait_idle()
         self._promote_queue.clear()
         self._queued.clear()
@@ -548,7 +545,6 @@ class TieringManager(OffloadingManager):
         for t in self.tiers:
             t.manager.reset_cache()
         self._offers.clear()
-        self._promotions_held = bool(self.tiers)
         for st in list(self._requests.values()):
             st.stores = 0  # dropped: complete_store will not come
             st.cpu_hits.clear()
@@ -559,7 +555,6 @@ class TieringManager(OffloadingManager):
     def on_reset_flushed(self) -> None:
         """The engine's workers finished every job dropped by the resets so far."""
         self.primary.on_reset_flushed()
-        self._promotions_held = False
 
     def awaiting_flush(self) -> bool:
         """True while slots of jobs dropped by a reset are held back."""
