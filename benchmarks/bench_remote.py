@@ -11,9 +11,14 @@
    isolated (a key prefix each) and once sharing one prefix. The gain is
    the cross-instance hits: blocks one engine computed and the other
    reused, their bytes verified on load.
+3. (--mac-cost) What the shared secret (remote.mac_key_file: BLAKE2b keyed
+   MAC over key + header + payload) costs: our store / load with and
+   without it, alternating runs, and the ratio; plus the single-thread
+   rates of the two hashes over the same bytes.
 
-    .venv/bin/python benchmarks/bench_remote.py            # both parts
+    .venv/bin/python benchmarks/bench_remote.py            # parts 1 and 2
     .venv/bin/python benchmarks/bench_remote.py --requests 12031 --plot docs/remote_bench.png
+    .venv/bin/python benchmarks/bench_remote.py --skip-bandwidth --skip-replay --mac-cost
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import argparse
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -56,10 +62,10 @@ def redis_benchmark(port: int, size: int, n: int, pipeline: int) -> dict[str, fl
     return gbs
 
 
-def ours(url: str, pool: HostPool, n: int, batch_chunks: int) -> dict[str, float]:
+def ours(url: str, pool: HostPool, n: int, batch_chunks: int, **tier_conf) -> dict[str, float]:
     """GB/s of our worker storing then loading n chunks (jobs of batch_chunks)."""
     ns = Namespace(model="bench", chunk_bytes=pool.used_chunk_bytes)
-    tier = RemoteTier({"url": url, "key_prefix": f"bench{time.monotonic_ns()}"}, ns)
+    tier = RemoteTier({"url": url, "key_prefix": f"bench{time.monotonic_ns()}", **tier_conf}, ns)
     worker = tier.get_worker(pool)
     keys = [i.to_bytes(8, "big") + b"\0\0\0\0" for i in range(n)]
     rkeys = tier.keyspace.redis_keys(keys)
@@ -147,6 +153,82 @@ def print_bandwidth(rows: list[dict], pipeline: int) -> None:
         print(f"| {r['size'] >> 10} KiB | {r['rb_set']:.2f} | {r['store']:.2f} | {r['store'] / r['rb_set']:.2f} "
               f"| {r['rb_get']:.2f} | {r['load']:.2f} | {r['load'] / r['rb_get']:.2f} "
               f"| {r['py_set']:.2f} / {r['py_get']:.2f} |")
+
+
+# ---- 3. cost of the MAC ----------------------------------------------------------------------
+
+def _has_blake3() -> bool:
+    try:
+        import blake3  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def hash_rates(size: int, repeats: int = 20) -> dict[str, float]:
+    """Single-thread GB/s over size bytes of xxh3_64 (always on) and of the keyed MACs."""
+    import hashlib
+
+    import xxhash
+
+    buf = memoryview(np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8))
+    key = bytes(32)
+    fns = {"xxh3": lambda: xxhash.xxh3_64_intdigest(buf),
+           "blake2b": lambda: hashlib.blake2b(buf, key=key, digest_size=16).digest()}
+    if _has_blake3():
+        import blake3
+
+        fns["blake3"] = lambda: blake3.blake3(buf, key=key).digest()
+    rates = {}
+    for name, fn in fns.items():
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        rates[name] = size * repeats / (time.perf_counter() - t0) / 1e9
+    return rates
+
+
+def mac_cost(srv: LocalServer, sizes: list[int], total: int, repeats: int, pipeline: int) -> list[dict]:
+    flush = redis.Redis(port=srv.port)
+    rows = []
+    with tempfile.NamedTemporaryFile("w", suffix=".key") as kf:
+        kf.write("bench secret, not a real one: 0123456789abcdef")
+        kf.flush()
+        for size in sizes:
+            n = max(pipeline, total // size)
+            pool = HostPool(n, size)
+            pool.array[:] = np.random.default_rng(size).integers(0, 256, pool.array.shape, dtype=np.uint8)
+            before = pool.array.copy()
+            variants = [("", {}), ("_mac", {"mac_key_file": kf.name})]
+            if _has_blake3():
+                variants.append(("_b3", {"mac_key_file": kf.name, "mac_algorithm": "blake3"}))
+            runs = {k + suffix: [] for suffix, _ in variants for k in ("store", "load")}
+            for _ in range(repeats):  # alternate, so drift in the machine hits all alike
+                for suffix, conf in variants:
+                    flush.flushall()
+                    o = ours(srv.url, pool, n, pipeline, **conf)
+                    assert np.array_equal(pool.array, before), "loaded bytes differ"
+                    runs["store" + suffix].append(o["store"])
+                    runs["load" + suffix].append(o["load"])
+            pool.close()
+            rows.append({"size": size, **{k: statistics.median(v) for k, v in runs.items()}, **hash_rates(size)})
+    flush.flushall()
+    return rows
+
+
+def print_mac_cost(rows: list[dict], pipeline: int, repeats: int) -> None:
+    print(f"\nCost of the MAC, GB/s (median of {repeats} alternating runs; one connection, {pipeline} values "
+          f"per round)")
+    b3 = "store_b3" in rows[0]
+    print("| value | MAC | store | ratio | load | ratio | hash alone, 1 thread |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for r in rows:
+        kib = f"{r['size'] >> 10} KiB"
+        print(f"| {kib} | none (xxh3 checksum) | {r['store']:.2f} | 1 | {r['load']:.2f} | 1 | {r['xxh3']:.1f} |")
+        for suffix, name in (("_mac", "blake2b"), ("_b3", "blake3"))[: 2 if b3 else 1]:
+            print(f"| {kib} | {name} | {r['store' + suffix]:.2f} | {r['store' + suffix] / r['store']:.2f} "
+                  f"| {r['load' + suffix]:.2f} | {r['load' + suffix] / r['load']:.2f} | {r[name]:.2f} |")
 
 
 # ---- 2. two engines sharing the tier -------------------------------------------------------
@@ -287,6 +369,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-bandwidth", action="store_true")
     ap.add_argument("--skip-replay", action="store_true")
     ap.add_argument("--plot", help="write a PNG of the bandwidth table here")
+    ap.add_argument("--mac-cost", action="store_true", help="also measure store / load with and without the MAC")
     args = ap.parse_args(argv)
     if find_benchmark_binary() is None and not args.skip_bandwidth:
         sys.exit("redis-benchmark not found (Debian: apt-get install redis-server)")
@@ -298,6 +381,9 @@ def main(argv=None) -> int:
             print_bandwidth(rows, args.pipeline)
             if args.plot:
                 plot(rows, args.plot)
+        if args.mac_cost:
+            rows = mac_cost(srv, sizes, parse_bytes(args.total, "--total"), args.repeats, args.pipeline)
+            print_mac_cost(rows, args.pipeline, args.repeats)
         if not args.skip_replay:
             from tqdm import tqdm
 

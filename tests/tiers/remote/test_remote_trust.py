@@ -166,10 +166,28 @@ def test_mac_key_settings_are_checked_and_never_shown(tmp_path, monkeypatch, key
     cases = [({"mac_key_file": str(short)}, "at least 16 bytes"),
              ({"mac_key_file": str(tmp_path / "missing")}, "mac_key_file"),
              ({"mac_key_env": "KVOFF_TEST_UNSET"}, "not set"),
-             ({"mac_key_file": key_file, "mac_key_env": "X"}, "at most one")]
+             ({"mac_key_file": key_file, "mac_key_env": "X"}, "at most one"),
+             ({"mac_key_file": key_file, "mac_algorithm": "md5"}, "mac_algorithm")]
     for conf, msg in cases:
         with pytest.raises(ConfigError, match=msg) as e:
             RemoteTier({"url": "redis://127.0.0.1:1/0", **conf}, ns)
         assert "too short" not in str(e.value)
     cfg = RemoteConfig(mac_key_file=key_file)
     assert SECRET not in repr(cfg) and cfg.load_mac_key() is not None and SECRET.encode() not in cfg.load_mac_key()
+
+
+def test_blake3_mac(redis_server, prefix, key_file):
+    pytest.importorskip("blake3")
+    tier, m, w, pool = make_tier(redis_server.url, prefix, num_chunks=8, chunk_bytes=8192, mac_key_file=key_file,
+                                 mac_algorithm="blake3")
+    b2, bm, bw, _ = make_tier(redis_server.url, prefix, num_chunks=8, chunk_bytes=8192, mac_key_file=key_file)
+    try:
+        keys = keys_for(2, seed=66)
+        fill(pool, range(2), seed=66)
+        assert store(m, w, keys, [0, 1])
+        assert load(m, w, keys[:1], [2]) and np.array_equal(pool.chunk(0), pool.chunk(2))
+        assert not load(bm, bw, keys[1:], [3])  # same secret, other algorithm: refused
+        assert _counters(bm)["mac_failures"] == 1
+    finally:
+        tier.shutdown()
+        b2.shutdown()

@@ -7,10 +7,11 @@ The key hash binds a value to the key (prefix, namespace digest, offload
 key) it was stored under: a value copied or renamed under another key, or
 another namespace's value, is refused. The checksum covers the header
 before it (so the key hash and length cannot be flipped unseen) and the
-payload. With a shared secret (remote.mac_key_file / mac_key_env), flag
-MAC is set and the last field is BLAKE2b keyed over key + header + payload:
-someone who can write to the server but lacks the secret cannot forge a
-value. Without one the MAC field is zero.
+payload. With a shared secret (remote.mac_key_file / mac_key_env), a flag
+names the MAC (BLAKE2b, or BLAKE3 with remote.mac_algorithm) and the last
+field is that hash keyed over key + header + payload: someone who can write
+to the server but lacks the secret cannot forge a value. Without one the
+flags and MAC field are zero.
 
 Checked on every load: anything else (a truncated, foreign, corrupted,
 misplaced or forged value, or a version 1 value from before the key
@@ -30,7 +31,8 @@ from kvoffload.tiers.base import Namespace
 
 MAGIC = b"KVOF"
 VERSION = 2  # 1: no key hash, no MAC
-FLAG_MAC = 1
+MAC_FLAGS = {"blake2b": 1, "blake3": 2}  # flags: which keyed hash made the MAC field
+_FLAG_BITS = 3
 HEADER = struct.Struct("<4sHHQQQ16s")
 HEADER_BYTES = HEADER.size  # 48
 _CHECKED = 24  # header bytes covered by the checksum: through the key hash
@@ -49,26 +51,32 @@ def key_hash(redis_key: bytes) -> int:
 class ValueCodec:
     """Makes and checks headers; holds the MAC key (never shown)."""
 
-    def __init__(self, mac_key: bytes | None = None):
+    def __init__(self, mac_key: bytes | None = None, algorithm: str = "blake2b"):
+        """mac_key: 32 bytes (RemoteConfig.load_mac_key) or None for no MAC."""
         self._mac_key = mac_key
+        self.algorithm = algorithm if mac_key is not None else None
+        self._flag = MAC_FLAGS[algorithm] if mac_key is not None else 0
+        if self._flag == MAC_FLAGS["blake3"]:
+            import blake3  # checked by RemoteConfig; imported only when used
 
-    @property
-    def has_mac(self) -> bool:
-        return self._mac_key is not None
+            self._blake3 = blake3.blake3
 
     def __repr__(self) -> str:
-        return f"ValueCodec(mac={'on' if self._mac_key else 'off'})"
+        return f"ValueCodec(mac={self.algorithm or 'off'})"
 
     def _mac(self, redis_key: bytes, head, payload) -> bytes:
-        m = hashlib.blake2b(key=self._mac_key, digest_size=MAC_BYTES)
+        if self._flag == MAC_FLAGS["blake3"]:
+            m = self._blake3(key=self._mac_key)
+        else:
+            m = hashlib.blake2b(key=self._mac_key, digest_size=MAC_BYTES)
         m.update(len(redis_key).to_bytes(4, "little"))
         m.update(redis_key)
         m.update(head)
         m.update(payload)
-        return m.digest()
+        return m.digest()[:MAC_BYTES]
 
     def header(self, redis_key: bytes, payload) -> bytes:
-        flags = FLAG_MAC if self._mac_key is not None else 0
+        flags = self._flag
         head = struct.pack("<4sHHQQ", MAGIC, VERSION, flags, len(payload), key_hash(redis_key))
         h = xxhash.xxh3_64(head)
         h.update(payload)
@@ -80,7 +88,7 @@ class ValueCodec:
         """Whether a header is ours, this version, for a payload of this length
         (checked before reading the payload; verify() does the rest)."""
         magic, version, flags, length, _, _, _ = HEADER.unpack(header)
-        return magic == MAGIC and version == VERSION and not flags & ~FLAG_MAC and length == expected_len
+        return magic == MAGIC and version == VERSION and flags in (0, *MAC_FLAGS.values()) and length == expected_len
 
     def verify(self, redis_key: bytes, header, payload) -> int:
         """OK, or why the value under redis_key must not be served."""
@@ -88,13 +96,13 @@ class ValueCodec:
         head = memoryview(header)[:_CHECKED]
         h = xxhash.xxh3_64(head)
         h.update(payload)
-        if h.intdigest() != checksum or (not flags & FLAG_MAC and mac != _NO_MAC):
+        if h.intdigest() != checksum or (not flags and mac != _NO_MAC):
             return CORRUPT
         if khash != key_hash(redis_key):
             return WRONG_KEY
-        if self._mac_key is not None:
-            # a value without a MAC, or with another key's, is a forgery here
-            if not flags & FLAG_MAC or not hmac.compare_digest(
+        if self._flag:
+            # a value without a MAC, or with another secret's or algorithm's, is a forgery here
+            if flags != self._flag or not hmac.compare_digest(
                     mac, self._mac(redis_key, memoryview(header)[:_MACED], payload)):
                 return BAD_MAC
         return OK
