@@ -48,6 +48,7 @@ from kvoffload.config import ConfigError, OffloadingConfig, check_known_keys, po
 from kvoffload.hints import COUNTER as BAD_HINTS
 from kvoffload.hints import request_hints
 from kvoffload.layout import parallel_layout_id
+from kvoffload.redact import redact
 from kvoffload.registry import load_class
 from kvoffload.tiers.base import Namespace, SecondaryTier, TierWorker, align_up
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
@@ -602,7 +603,7 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
         extra = self.extra_config
         confs = extra.get("secondary_tiers") or []
         if not isinstance(confs, list):
-            raise ConfigError(f"secondary_tiers must be a list, got {confs!r}")
+            raise ConfigError(f"secondary_tiers must be a list, got {redact(confs)!r}")
         confs = list(confs)
         if "storage_dir" in extra or "storage_bytes" in extra:
             if not extra.get("storage_dir") or "storage_bytes" not in extra:
@@ -613,7 +614,7 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
             confs.append({"type": "redis", "url": extra["remote_url"]})
         for i, conf in enumerate(confs):
             if not isinstance(conf, dict):
-                raise ConfigError(f"secondary_tiers[{i}] must be a mapping, got {conf!r}")
+                raise ConfigError(f"secondary_tiers[{i}] must be a mapping, got {redact(conf)!r}")
             if "type" not in conf:
                 raise ConfigError(f"secondary_tiers[{i}]: type is required; known types: {tier_type_names()}")
             get_tier_class(conf["type"])  # unknown type: error now

@@ -66,3 +66,15 @@ def test_redact_helpers():
     assert "s3c" not in redact_text("cannot reach rediss://:s3c@h:1 now")
     assert redact({"remote_url": "redis://:s3c@h", "password": "s3c", "mac_key_file": "/k", "n": [1]}) == {
         "remote_url": "redis://:***@h", "password": "***", "mac_key_file": "/k", "n": [1]}
+
+
+def test_misshapen_tier_configs_do_not_echo_secrets():
+    from kvoffload.config import OffloadingConfig
+    from kvoffload.tiering import TieredOffloadingSpec
+
+    for tiers in ({"type": "redis", "url": "redis://:s3c-pw@h:1/0", "password": "s3c-pw"},
+                  ["redis://:s3c-pw@h:1/0"]):
+        with pytest.raises(ConfigError, match="secondary_tiers") as e:
+            TieredOffloadingSpec(OffloadingConfig.from_dict({"groups": [16], "extra_config": {
+                "num_cpu_chunks": 4, "secondary_tiers": tiers}}))
+        assert "s3c-pw" not in str(e.value) and "***" in str(e.value)
