@@ -157,7 +157,8 @@ class StorageOffloadingManager(OffloadingManager):
         evicted: list[OffloadKey] = []
         short = len(new) - len(self._free)
         if short > 0:
-            victims = self.policy.evict(short, self._can_evict)
+            asked = set(keys)  # never evict a key this very store keeps (its copy would vanish)
+            victims = self.policy.evict(short, lambda k: k not in asked and self._can_evict(k))
             if victims is None:
                 self._count("allocation_failures")
                 return None
