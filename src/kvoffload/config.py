@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
+import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,9 +53,12 @@ def parse_bytes(value: Any, key: str) -> int:
         for unit, mult in units.items():
             if s.endswith(unit):
                 try:
-                    value = int(float(s[: -len(unit)]) * mult)
+                    number = float(s[: -len(unit)]) * mult
                 except ValueError:
                     raise ConfigError(f"{key}: cannot parse {value!r} as a size") from None
+                if not math.isfinite(number):  # "inf", "nan", "1e400": int() would raise OverflowError
+                    raise ConfigError(f"{key}: {value!r} is not a finite size")
+                value = int(number)
                 break
         else:
             try:
@@ -63,6 +68,39 @@ def parse_bytes(value: Any, key: str) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     return positive_int(value, key)
+
+
+def memory_available() -> int | None:
+    """Bytes of memory this machine can still give (MemAvailable), or None
+    where that cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def format_bytes(n: float) -> str:
+    for unit, mult in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= mult:
+            return f"{n / mult:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def check_fits_in_memory(nbytes: int, what: str) -> None:
+    """Refuse, before allocating, a size the machine cannot hold: an
+    oversized pool would otherwise fail deep in an allocator (or push the
+    machine into swap and the OOM killer)."""
+    available = memory_available()
+    if available is not None and nbytes > available:
+        raise ConfigError(f"{what} needs {nbytes} bytes ({format_bytes(nbytes)}), but this machine has "
+                          f"{available} bytes ({format_bytes(available)}) of memory available")
 
 
 @dataclass(frozen=True)
@@ -164,9 +202,11 @@ class OffloadingConfig:
     def from_file(cls, path: str | Path) -> OffloadingConfig:
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"cannot read config file {path}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
         if path.suffix in (".yaml", ".yml"):
             try:
                 import yaml
@@ -176,11 +216,15 @@ class OffloadingConfig:
                 data = yaml.safe_load(text)
             except yaml.YAMLError as e:
                 raise ConfigError(f"{path}: invalid YAML: {e}") from None
+            except RecursionError:
+                raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
         else:
             try:
                 data = json.loads(text)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
+            except RecursionError:
+                raise ConfigError(f"{path}: invalid JSON: nested too deeply") from None
         return cls.from_dict(data or {})
 
     @classmethod

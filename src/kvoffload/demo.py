@@ -9,11 +9,12 @@ and compared bit for bit with what was stored.
 from __future__ import annotations
 
 import hashlib
+import sys
 
 import torch
 
 from kvoffload.abstractions import GPULoadStoreSpec, LookupResult, ReqContext
-from kvoffload.config import OffloadingConfig
+from kvoffload.config import OffloadingConfig, check_fits_in_memory
 from kvoffload.keys import make_offload_key
 from kvoffload.kv_caches import random_kv_caches
 from kvoffload.tiers.cpu.spec import CPUOffloadingSpec
@@ -30,6 +31,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--policy", default="lru", help="eviction policy: lru, arc or module:Class")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)
+    from kvoffload.replay.cli import one_line_errors
+
+    one_line_errors(p)
 
 
 def chunk_keys(prompt: str, n: int) -> list[bytes]:
@@ -45,7 +49,7 @@ def run(args) -> int:
     try:
         return _run(args)
     except ValueError as e:  # ConfigError included: bad options
-        print(f"kvoffload demo: {e}")
+        print(f"kvoffload demo: {e}", file=sys.stderr)
         return 2
 
 
@@ -58,6 +62,9 @@ def _run(args) -> int:
     chunk_bytes = args.layers * 2 * page
     n = args.chunks_per_request
     num_blocks = 8 * n
+    # the stand-in GPU KV caches and their copy (the CPU spec checks its own pool)
+    check_fits_in_memory(2 * args.layers * num_blocks * page,
+                         f"the demo's KV caches ({args.layers} layers x {num_blocks} blocks x --page-kib {args.page_kib})")
     config = OffloadingConfig.from_dict({
         "groups": [{"tokens_per_block": TOKENS_PER_BLOCK}],
         "tokens_per_hash": TOKENS_PER_BLOCK,

@@ -47,7 +47,7 @@ def test_bad_option_values(capsys):
     assert main(["replay", "--sessions", "2", "--extra", "nokey", "--no-progress"]) == 2
     assert "KEY=VALUE" in capsys.readouterr().err
     assert main(["replay", "--sessions", "2", "--time-compression", "0", "--no-progress"]) == 2
-    assert "time_compression must be positive" in capsys.readouterr().err
+    assert "--time-compression must be a finite number > 0, got 0.0" in capsys.readouterr().err
     assert main(["replay", "--sessions", "2", "--limit", "0", "--no-progress"]) == 2
     assert "--limit" in capsys.readouterr().err
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-from kvoffload.config import ConfigError, parse_bytes
-from kvoffload.replay.traces import FORMATS, Trace, TraceError, load_trace, mark_final_turns
+from kvoffload.config import ConfigError, check_fits_in_memory, parse_bytes
+from kvoffload.redact import redact_text, redact_url
+from kvoffload.replay.traces import FORMATS, Trace, load_trace, mark_final_turns
 
 # KV bytes per token (K and V, all layers, bf16) of common models.
 MODEL_PRESETS = {
@@ -90,14 +93,91 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--hold", type=float, default=0.0,
                    help="keep the metrics endpoint up this many seconds after the replay")
     p.set_defaults(func=run)
+    one_line_errors(p)
     return p
+
+
+def one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """A bad option is one line (`kvoffload replay: argument --x: ...`) and
+    exit code 2, like every other bad input, not argparse's usage block."""
+    def error(message: str):
+        parser.exit(2, f"{parser.prog}: {message}\n")
+    parser.error = error
+
+
+def one_line(e: BaseException) -> str:
+    """An error as one line, passwords in URLs masked."""
+    if isinstance(e, OSError) and e.strerror:
+        msg = f"{e.filename}: {e.strerror}" if e.filename else e.strerror
+    else:
+        msg = str(e) or type(e).__name__
+    return redact_text(" ".join(msg.split()))
+
+
+def check_args(args) -> None:
+    """Refuse bad option values before anything runs (ConfigError naming
+    the option and the value)."""
+    def finite(name: str, value: float | None, low: float, low_ok: bool) -> None:
+        if value is not None and not (math.isfinite(value) and (value >= low if low_ok else value > low)):
+            need = f"a finite number {'>=' if low_ok else '>'} {low:g}"
+            raise ConfigError(f"--{name.replace('_', '-')} must be {need}, got {value!r}")
+    finite("hold", args.hold, 0, True)
+    finite("prefill_tokens_per_s", args.prefill_tokens_per_s, 0, False)
+    finite("time_compression", args.time_compression, 0, False)
+    for name in ("kv_bytes_per_token", "max_running", "sessions"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.gpu_blocks < 0:
+        raise ConfigError(f"--gpu-blocks must be 0 or more, got {args.gpu_blocks}")
+    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port must be a TCP port in 0..65535 (0: any free one), got {args.metrics_port}")
+    if args.sweep is not None and not sweep_points(args.sweep):
+        raise ConfigError(f"--sweep {args.sweep!r} names no capacity (e.g. 1%,5%,1000)")
+    if args.remote_url is not None:
+        try:
+            parts = urlsplit(args.remote_url)
+            parts.port  # noqa: B018 - parses the port: ValueError when out of range
+        except ValueError as e:
+            raise ConfigError(f"--remote-url {redact_url(args.remote_url)!r}: {e}") from None
+    for name in ("json", "markdown"):
+        path = getattr(args, name)
+        if path is not None and Path(path).is_dir():
+            raise ConfigError(f"--{name} {path!r} is a directory; give a file path")
+    if args.plot_dir is not None and Path(args.plot_dir).exists() and not Path(args.plot_dir).is_dir():
+        raise ConfigError(f"--plot-dir {args.plot_dir!r} is not a directory")
+
+
+def sweep_points(value: str) -> list[str]:
+    return [c.strip() for c in value.split(",") if c.strip()]
+
+
+def check_engine_memory(trace: Trace, opts) -> None:
+    """The simulated GPU cache is allocated first, sized as ReplayEngine
+    sizes it (room for every running request at its largest, plus the
+    cache): refuse a size the machine cannot hold before allocating it."""
+    bs = trace.block_size
+
+    def blocks_of(r) -> int:
+        decode = (len(r.decode_hashes) if r.decode_hashes is not None
+                  else max(0, (r.prompt_tokens + r.output_tokens) // bs - len(r.block_hashes)))
+        return len(r.block_hashes) + decode
+
+    biggest = max(blocks_of(r) for r in trace.requests)
+    blocks = opts.gpu_blocks + opts.max_running * max(1, biggest)
+    page = opts.kv_bytes_per_token * bs
+    check_fits_in_memory(blocks * page, f"the simulated GPU KV cache ({blocks} blocks of {page} bytes: "
+                                        f"--gpu-blocks, --max-running, the longest request, --kv-bytes-per-token)")
 
 
 def parse_capacity(value: str, unique_blocks: int, key: str = "--cpu-blocks") -> int:
     v = str(value).strip()
     try:
         if v.endswith("%"):
-            n = int(float(v[:-1]) / 100.0 * unique_blocks + 0.5)
+            share = float(v[:-1])
+            if not math.isfinite(share):
+                raise ValueError(v)
+            n = int(share / 100.0 * unique_blocks + 0.5)
         else:
             n = int(v)
     except ValueError:
@@ -204,6 +284,9 @@ def replay_once(trace: Trace, opts, oracle: bool):
     from kvoffload.replay.oracle import simulate
 
     result = replay(trace, opts)
+    for key in ("metrics", "events"):  # live objects: a report holds what they are, not them
+        if result.options.get(key) is not None:
+            result.options[key] = type(result.options[key]).__name__
     if oracle:
         cap = next((t["gauges"].get("capacity_blocks") for t in result.tiers.values()
                     if t["gauges"].get("capacity_blocks")), None) or opts.extra_config.get("num_cpu_chunks")
@@ -215,16 +298,27 @@ def replay_once(trace: Trace, opts, oracle: bool):
 
 
 def run(args) -> int:
+    """Every bad input, from an option to a trace line or an output path,
+    ends here as one line and exit code 2."""
+    try:
+        return _run(args)
+    except (ValueError, OSError) as e:  # ConfigError and TraceError are ValueErrors
+        print(f"kvoffload replay: {one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _run(args) -> int:
     from kvoffload.replay import report
 
+    check_args(args)
     try:
         _start_observability(args)
         trace = _load(args)
         if args.sweep:
-            caps = [c.strip() for c in args.sweep.split(",") if c.strip()]
             points = []
-            for c in caps:
+            for c in sweep_points(args.sweep):
                 opts = build_options(args, trace, cpu_blocks=c)
+                check_engine_memory(trace, opts)
                 r = replay_once(trace, opts, args.oracle)
                 points.append((opts.extra_config["num_cpu_chunks"], r))
                 print(f"[{c}] offload prefix hit rate {report.summary(r)['offload_prefix_hit_rate']:.4f}",
@@ -233,12 +327,10 @@ def run(args) -> int:
             print(report.sweep_table(points))
         else:
             opts = build_options(args, trace)
+            check_engine_memory(trace, opts)
             results = [replay_once(trace, opts, args.oracle)]
             points = []
             print(report.format_table(results[0]))
-    except (ConfigError, TraceError) as e:
-        print(f"kvoffload replay: {e}", file=sys.stderr)
-        return 2
     finally:
         _stop_observability(args)
     if args.json:

@@ -18,6 +18,7 @@ A malformed line raises TraceError naming the file and line.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +27,10 @@ import numpy as np
 MASK64 = (1 << 64) - 1
 FORMATS = ("mooncake", "bailian", "tokens")
 DEFAULT_BLOCK_SIZE = {"mooncake": 512, "bailian": 16, "tokens": 16}
+# Token counts past this are no request's (the largest int32, as engines
+# count positions); bigger ones would only overflow or exhaust memory later.
+MAX_TOKENS = 2**31 - 1
+MAX_TOKEN_ID = 2**63 - 1  # token ids are hashed as int64
 
 
 class TraceError(ValueError):
@@ -99,6 +104,8 @@ def _int_field(d: dict, key: str, path: Path, lineno: int, default: int | None =
     v = d[key]
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
         raise _fail(path, lineno, f"{key} must be a non-negative integer, got {v!r}")
+    if v > MAX_TOKENS:
+        raise _fail(path, lineno, f"{key} must be at most {MAX_TOKENS} tokens, got {v}")
     return v
 
 
@@ -108,9 +115,13 @@ def _num_field(d: dict, key: str, path: Path, lineno: int, default: float | None
             return default
         raise _fail(path, lineno, f"missing field {key!r}")
     v = d[key]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
-        raise _fail(path, lineno, f"{key} must be a non-negative number, got {v!r}")
-    return float(v)
+    # NaN compares false with everything: a NaN arrival would stall the simulated clock forever
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < math.inf:
+        raise _fail(path, lineno, f"{key} must be a finite non-negative number, got {v!r}")
+    try:
+        return float(v)
+    except OverflowError:  # an int past float's range
+        raise _fail(path, lineno, f"{key} must be a finite non-negative number, got {v!r}") from None
 
 
 def _hash_ids(d: dict, path: Path, lineno: int, input_length: int, block_size: int) -> list[int]:
@@ -144,20 +155,27 @@ def load_trace(path: str | Path, fmt: str = "auto", block_size: int | None = Non
     if fmt != "auto" and fmt not in FORMATS:
         raise TraceError(f"unknown trace format {fmt!r}; known: auto, {', '.join(FORMATS)}")
     try:
-        f = path.open()
+        f = path.open("rb")  # decoded line by line, so a bad byte is named by its line
     except OSError as e:
         raise TraceError(f"cannot read trace {path}: {e.strerror}") from None
     trace: Trace | None = None
     with f:
-        for lineno, line in enumerate(f, 1):
+        for lineno, raw in enumerate(_lines(f, path), 1):
             if limit is not None and trace is not None and len(trace.requests) >= limit:
                 break
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise _fail(path, lineno, f"not UTF-8 text (byte {e.start + 1} of the line: "
+                            f"{raw[e.start:e.start + 1]!r})") from None
             if not line.strip():
                 continue
             try:
                 d = json.loads(line)
             except json.JSONDecodeError as e:
                 raise _fail(path, lineno, f"invalid JSON: {e.msg} (column {e.colno})") from None
+            except RecursionError:  # e.g. "[[[[..." thousands deep
+                raise _fail(path, lineno, "invalid JSON: nested too deeply") from None
             if not isinstance(d, dict):
                 raise _fail(path, lineno, f"expected a JSON object, got {type(d).__name__}")
             if trace is None:
@@ -172,6 +190,14 @@ def load_trace(path: str | Path, fmt: str = "auto", block_size: int | None = Non
     return trace
 
 
+def _lines(f, path: Path):
+    """The file's lines; a read error (a directory, an I/O error) as a TraceError."""
+    try:
+        yield from f
+    except OSError as e:
+        raise TraceError(f"cannot read trace {path}: {e.strerror}") from None
+
+
 def _parse(fmt: str, d: dict, path: Path, lineno: int, idx: int, bs: int) -> Request:
     if fmt == "tokens":
         prompt = d.get("prompt")
@@ -179,6 +205,9 @@ def _parse(fmt: str, d: dict, path: Path, lineno: int, idx: int, bs: int) -> Req
             isinstance(t, int) and not isinstance(t, bool) for t in prompt
         ):
             raise _fail(path, lineno, "prompt must be a list of integer token ids")
+        bad = next((t for t in prompt if not 0 <= t <= MAX_TOKEN_ID), None)
+        if bad is not None:
+            raise _fail(path, lineno, f"prompt token ids must be in [0, {MAX_TOKEN_ID}], got {bad}")
         return Request(
             req_id=str(d.get("id", idx)),
             arrival_ms=_num_field(d, "timestamp", path, lineno, default=0.0),

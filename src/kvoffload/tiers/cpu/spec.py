@@ -39,6 +39,7 @@ from kvoffload.config import (
     CacheConfig,
     ConfigError,
     OffloadingConfig,
+    check_fits_in_memory,
     check_known_keys,
     parse_bytes,
     positive_int,
@@ -50,6 +51,8 @@ from kvoffload.tiers.base import align_up
 # How long a process waits for TP rank 0 to make the shared pool file
 # (ranks start together, but a loaded node is slow).
 POOL_WAIT_S = 300.0
+# The manager's own memory per chunk slot (state list entry, policy entries), roughly.
+MANAGER_BYTES_PER_CHUNK = 64
 
 
 class CPUOffloadingSpec(OffloadingSpec):
@@ -95,6 +98,20 @@ class CPUOffloadingSpec(OffloadingSpec):
         self.shared_pool = None  # the SharedHostPool this process's worker uses, if any
         self._manager = None
         self._worker = None
+        # A private pool is refused now if it cannot fit; a shared one when its file is made
+        # (another process may already hold it: its memory is no longer "available").
+        self._check_memory(self.kv_bytes_per_chunk if path is None else None, pool=path is None)
+
+    def _check_memory(self, chunk_bytes: int | None, pool: bool) -> None:
+        """ConfigError, before anything is allocated, when the host pool (if
+        `pool`) and the manager's slots need more memory than is available."""
+        if self.num_chunks is None:
+            if pool and self.cpu_bytes_to_use is not None:
+                check_fits_in_memory(self.cpu_bytes_to_use, f"cpu_bytes_to_use={self.cpu_bytes_to_use}")
+            return
+        slot = align_up(chunk_bytes) if pool and chunk_bytes else 0
+        what = f"a CPU tier of {self.num_chunks} chunks" + (f" of {slot} bytes" if slot else "")
+        check_fits_in_memory(self.num_chunks * (slot + MANAGER_BYTES_PER_CHUNK), what)
 
     @staticmethod
     def _apply_block_size(config: OffloadingConfig, block_size: Any) -> OffloadingConfig:
@@ -144,6 +161,7 @@ class CPUOffloadingSpec(OffloadingSpec):
                     "exist: add extra_config kv_bytes_per_chunk or kv_bytes_per_token, or give "
                     "num_cpu_chunks (or call get_worker first, in the same process)"
                 )
+            self._check_memory(None, pool=False)  # the manager's slots (a pool's geometry may be new)
             self._manager = CPUOffloadingManager(
                 self.num_chunks, policy=self.eviction_policy,
                 enable_events=self.kv_events_config.enable_kv_cache_events,
@@ -163,6 +181,8 @@ class CPUOffloadingSpec(OffloadingSpec):
             )
         if self.num_chunks is None:
             self.num_chunks = self._chunks_for(chunk_bytes)
+        # Only the process that makes a shared pool's file allocates it.
+        self._check_memory(chunk_bytes, pool=self.shared_pool_path is None or self.parallel.tp_rank == 0)
         self.kv_bytes_per_chunk = chunk_bytes
         if self._manager is not None:
             self._manager.chunk_bytes = chunk_bytes
