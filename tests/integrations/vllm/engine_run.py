@@ -4,12 +4,14 @@ Run as a script (vLLM may spawn workers, so the work sits under __main__):
     python engine_run.py '<json job>'
 job: {"model": dir, "kv_transfer_config": {...} | null, "num_gpu_blocks": int,
       "phases": [[prompt token ids, ...], ...], "max_tokens": int,
-      "tensor_parallel_size": int (1), "pool_dump": file (none)}
+      "tensor_parallel_size": int (1), "pool_dump": file (none),
+      "pool_dump_after": phase index (the last)}
 Each phase's prompts run one generate() call each, in order. The report has,
 per phase: the generated tokens, seconds per prompt, and deltas of vLLM's
 external prefix-cache hits and of kvoffload's per-tier counters. With
 pool_dump, the host pool the ranks share (extra_config shared_pool_path) is
-saved there (numpy, chunks x bytes) after the phases.
+saved there (numpy, chunks x bytes) after the phases (or after phase
+pool_dump_after).
 """
 
 from __future__ import annotations
@@ -38,6 +40,15 @@ def _metrics(llm) -> dict[str, float]:
     return out
 
 
+def _dump_pool(job: dict) -> None:
+    import numpy as np
+
+    from kvoffload.tiers.cpu.shared_pool import SharedHostPool
+
+    path = job["kv_transfer_config"]["kv_connector_extra_config"]["shared_pool_path"]
+    np.save(job["pool_dump"], SharedHostPool.open(path).array)
+
+
 def main(job: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -53,7 +64,8 @@ def main(job: dict) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=job["max_tokens"], ignore_eos=True)
     report = {"phases": []}
     before = _metrics(llm)
-    for phase in job["phases"]:
+    dump_after = job.get("pool_dump_after", len(job["phases"]) - 1)
+    for index, phase in enumerate(job["phases"]):
         tokens, seconds = [], []
         for prompt in phase:
             t0 = time.perf_counter()
@@ -64,13 +76,8 @@ def main(job: dict) -> dict:
         delta = {k: v - before.get(k, 0) for k, v in after.items()}  # counters: this phase
         report["phases"].append({"tokens": tokens, "seconds": seconds, "metrics": delta})
         before = after
-    if job.get("pool_dump"):
-        import numpy as np
-
-        from kvoffload.tiers.cpu.shared_pool import SharedHostPool
-
-        path = job["kv_transfer_config"]["kv_connector_extra_config"]["shared_pool_path"]
-        np.save(job["pool_dump"], SharedHostPool.open(path).array)
+        if job.get("pool_dump") and index == dump_after:
+            _dump_pool(job)
     llm.llm_engine.engine_core.shutdown()  # flushes tiers (persistent index) before exit
     return report
 

@@ -4,6 +4,12 @@ A tiny random Llama (built here, no download) runs greedy generation in
 engine subprocesses (engine_run.py). The GPU KV cache is capped at 24 blocks
 of 32 tokens, so three other prompts push a prompt's blocks out of vLLM's
 own prefix cache, and a repeat of it can only hit through the connector.
+
+Greedy tokens are compared only between runs of one configuration (TP size,
+process layout): a random bf16 model's tokens under another TP size or
+thread layout depend on the CPU's kernels, not on us. Across TP sizes the
+tests compare the pages themselves, within a rounding step where the math
+allows a difference.
 """
 
 from __future__ import annotations
@@ -52,13 +58,16 @@ def omp_threads_bind(ranks: int) -> str:
 
 
 def start_engine(model: Path, extra_config: dict | None, phases: list[list[list[int]]],
-                 one_process: bool = True, tp: int = 1, pool_dump: Path | None = None) -> subprocess.Popen:
+                 one_process: bool = True, tp: int = 1, pool_dump: Path | None = None,
+                 pool_dump_after: int = -1) -> subprocess.Popen:
     """Start one engine over the phases (see engine_run.py). one_process:
     vLLM's scheduler and worker in one process ("uni" executor), else the
     multi-process layout `vllm serve` uses on CPU (always so for tp > 1).
-    pool_dump: where to save the shared host pool (shared_pool_path) at the end."""
+    pool_dump: where to save the shared host pool (shared_pool_path) after
+    phase pool_dump_after (the last by default)."""
     job = {"model": str(model), "num_gpu_blocks": GPU_BLOCKS, "max_tokens": MAX_TOKENS, "phases": phases,
            "tensor_parallel_size": tp, "pool_dump": str(pool_dump) if pool_dump else None,
+           "pool_dump_after": pool_dump_after % len(phases),
            "kv_transfer_config": None if extra_config is None else {
                "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                "kv_connector_extra_config": {**SPEC, **extra_config}}}
@@ -161,29 +170,42 @@ def test_pushed_out_prefix_is_served_from_the_cpu_tier(reference, with_cpu_tier)
     assert sum(metric(p, "vllm:kvoffload_loaded_blocks[cpu]") for p in (first, again, fillers)) == 0
     assert metric(first, "vllm:kvoffload_stored_blocks[cpu]") == 8
     assert metric(fillers, "vllm:kvoffload_stored_blocks[cpu]") == 3 * 8
-    # identical to the run where vLLM's own prefix cache served the same 8 blocks
+    # identical to its own computed run, and to the reference engine (the same
+    # configuration but the plugin) where vLLM's own prefix cache served the 8 blocks
+    assert tokens(last) == tokens(first)
     assert tokens(last) == tokens(reference[1]) == tokens(reference[0])
 
 
-def test_cpu_tier_works_with_scheduler_and_worker_in_separate_processes(engines, reference):
+def test_cpu_tier_works_with_scheduler_and_worker_in_separate_processes(engines):
     """How `vllm serve` runs on CPU: the manager only learns the chunk size
-    from vLLM's config, the worker checks it against the real KV caches."""
+    from vLLM's config, the worker checks it against the real KV caches.
+    The loaded run's output is the computed run's of the same engine (its
+    worker process binds its own threads: the one-process reference's
+    kernels may sum in another order)."""
     first, fillers, last = engines["cpu_multiprocess"]
+    assert metric(first, "vllm:kvoffload_stored_blocks[cpu]") == 8
+    assert metric(last, "vllm:prefix_cache_hits") == 0
     assert metric(last, "vllm:external_prefix_cache_hits") == 8 * BLOCK
     assert metric(last, "vllm:kvoffload_loaded_blocks[cpu]") == 8
-    assert tokens(first) == tokens(reference[0]) and tokens(last) == tokens(reference[1])
-    assert tokens(fillers) == tokens(reference[2])
+    assert tokens(last) == tokens(first)
+    assert all(len(t) == MAX_TOKENS for p in (first, fillers, last) for t in tokens(p))
 
 
 @pytest.fixture(scope="module")
 def restarted(model, engines) -> dict[str, dict]:
     """New engine processes (empty GPU cache and CPU tier) over the storage
-    directories the engines above wrote, one phase of the prompt each:
-    storage: the storage engine's; from_tp2: a TP=1 engine on the TP=2 one's."""
+    directories the engines above wrote. storage: the storage engine's, one
+    phase of the prompt. from_tp2: a TP=1 engine on the TP=2 one's, the
+    prompt, fillers and the prompt again; its host pool (a shared one, to be
+    saved) is saved after the first phase, when it holds only what the
+    storage tier promoted."""
+    from_tp2 = {"kvoffload_spec": "tiered", "cpu_bytes_to_use": "4MiB",
+                "shared_pool_path": str(model.parent / "shm-from-tp2.pool"), "secondary_tiers": [TP2_STORAGE(model)]}
     procs = {"storage": start_engine(model, engines["storage_extra"], [[PROMPT]]),
-             "from_tp2": start_engine(model, {"kvoffload_spec": "tiered", "cpu_bytes_to_use": "4MiB",
-                                              "secondary_tiers": [TP2_STORAGE(model)]}, [[PROMPT]])}
-    return {name: report(p)[0] for name, p in procs.items()}
+             "from_tp2": start_engine(model, from_tp2, [[PROMPT], FILLERS, [PROMPT]],
+                                      pool_dump=model.parent / "pool-from-tp2.npy", pool_dump_after=0)}
+    runs = {name: report(p) for name, p in procs.items()}
+    return {"storage": runs["storage"][0], "from_tp2": runs["from_tp2"]}
 
 
 def test_new_engine_process_hits_the_storage_tier(model, engines, reference, restarted):
@@ -197,10 +219,12 @@ def test_new_engine_process_hits_the_storage_tier(model, engines, reference, res
     assert tokens(second) == tokens(reference[0])
 
 
-def test_tp2_serves_a_pushed_out_prefix_from_the_shared_pool(engines, reference):
+def test_tp2_serves_a_pushed_out_prefix_from_the_shared_pool(engines):
     """Two TP rank processes store their KV heads into one host pool and
     load them back: the repeat hits all 8 blocks, with the output of the
-    computed run (and of TP=1)."""
+    same engine's computed run. (Not TP=1's output: under another TP size a
+    random bf16 model's greedy tokens depend on the CPU's kernels; the pages
+    are compared with TP=1's in test_tp2_stores_the_pages_tp1_stores.)"""
     first, fillers, last = engines["tp2"]
     assert metric(first, "vllm:kvoffload_stored_blocks[cpu]") == 8
     assert metric(fillers, "vllm:kvoffload_stored_blocks[cpu]") == 3 * 8
@@ -208,27 +232,43 @@ def test_tp2_serves_a_pushed_out_prefix_from_the_shared_pool(engines, reference)
     assert metric(last, "vllm:external_prefix_cache_hits") == 8 * BLOCK
     assert metric(last, "vllm:kvoffload_loaded_blocks[cpu]") == 8
     assert tokens(last) == tokens(first)
-    assert tokens(first) == tokens(reference[0]) and tokens(fillers) == tokens(reference[2])
+    assert all(len(t) == MAX_TOKENS for p in (first, fillers, last) for t in tokens(p))
     assert engines["pools_left"] == []  # TP rank 0 removed the pool file at shutdown
 
 
-def test_tp1_engine_is_served_what_tp2_stored(engines, restarted, reference):
+def _used_rows(pool) -> list[bytes]:
+    return [row.tobytes() for row in pool if row.any()]
+
+
+def test_tp1_engine_is_served_what_tp2_stored(model, engines, restarted):
     """The TP=2 engine's storage tier (run beside its scheduler, on the
-    shared pool) holds canonical pages: a TP=1 engine hits all 8 blocks."""
+    shared pool) holds canonical pages: a TP=1 engine hits all 8 blocks,
+    its host pool then holds exactly pages the TP=2 ranks wrote, and serving
+    them again (from its CPU tier, after fillers) gives the same output."""
+    import numpy as np
+
     assert metric(engines["tp2"][0], "vllm:kvoffload_stored_blocks[storage]") == 8
-    tp1 = restarted["from_tp2"]
-    assert metric(tp1, "vllm:kvoffload_hits[storage]") == 8
-    assert metric(tp1, "vllm:kvoffload_loaded_blocks[storage]") == 8
-    assert metric(tp1, "vllm:external_prefix_cache_hits") == 8 * BLOCK
-    assert tokens(tp1) == tokens(reference[0])
+    first, _fillers, last = restarted["from_tp2"]
+    assert metric(first, "vllm:kvoffload_hits[storage]") == 8
+    assert metric(first, "vllm:kvoffload_loaded_blocks[storage]") == 8
+    assert metric(first, "vllm:external_prefix_cache_hits") == 8 * BLOCK
+    promoted = _used_rows(np.load(model.parent / "pool-from-tp2.npy"))
+    tp2_pages = set(_used_rows(np.load(model.parent / "pool-tp2.npy")))
+    assert len(promoted) == 8 and len(set(promoted)) == 8
+    assert set(promoted) <= tp2_pages  # byte for byte what TP=2 stored, not recomputed here
+    assert metric(last, "vllm:prefix_cache_hits") == 0
+    assert metric(last, "vllm:external_prefix_cache_hits") == 8 * BLOCK
+    assert tokens(last) == tokens(first)
+    assert all(len(t) == MAX_TOKENS for t in tokens(first))
 
 
 def test_tp2_stores_the_pages_tp1_stores(model, engines):
     """The same prompts at TP=1 and TP=2 fill the same slots with canonical
     pages (each rank wrote its KV head). Layer 0's KV comes straight from
-    the embeddings: byte for byte equal. Layer 1's input went through TP=2's
-    all-reduce (another summing order), so its bf16 values may differ by a
-    rounding step; a misplaced head would differ by far more."""
+    the embeddings, but through a GEMM of another shape (a rank's heads),
+    whose kernel may sum in another order on another CPU; layer 1's input
+    went through TP=2's all-reduce. So bf16 values may differ by a rounding
+    step; a misplaced head would differ by far more."""
     import numpy as np
     import torch
 
@@ -239,9 +279,10 @@ def test_tp2_stores_the_pages_tp1_stores(model, engines):
     page = 2 * BLOCK * 2 * 32 * 2  # K and V x tokens x 2 KV heads x head_dim 32 x bf16, per layer
     assert len(tp1[0]) == 2 * page  # 2 layers
     tp1, tp2 = tp1[used], tp2[used]
-    assert np.array_equal(tp1[:, :page], tp2[:, :page])
-    a, b = (torch.from_numpy(np.ascontiguousarray(p[:, page:])).view(torch.bfloat16).float() for p in (tp1, tp2))
-    assert torch.allclose(a, b, rtol=1 / 64, atol=1 / 64)
-    # the tolerance does tell layouts apart: halves of K and of V swapped (heads misplaced) are far off
-    swapped = b.reshape(len(b), 2, 2, -1).flip(2).reshape(len(b), -1)
-    assert not torch.allclose(a, swapped, rtol=1 / 64, atol=1 / 64)
+    for layer in (0, 1):
+        a, b = (torch.from_numpy(np.ascontiguousarray(p[:, layer * page:(layer + 1) * page]))
+                .view(torch.bfloat16).float() for p in (tp1, tp2))
+        assert torch.allclose(a, b, rtol=1 / 64, atol=1 / 64), f"layer {layer}"
+        # the tolerance does tell layouts apart: halves of K and of V swapped (heads misplaced) are far off
+        swapped = b.reshape(len(b), 2, 2, -1).flip(2).reshape(len(b), -1)
+        assert not torch.allclose(a, swapped, rtol=1 / 64, atol=1 / 64), f"layer {layer}"
