@@ -78,3 +78,28 @@ def test_misshapen_tier_configs_do_not_echo_secrets():
             TieredOffloadingSpec(OffloadingConfig.from_dict({"groups": [16], "extra_config": {
                 "num_cpu_chunks": 4, "secondary_tiers": tiers}}))
         assert "s3c-pw" not in str(e.value) and "***" in str(e.value)
+
+
+def test_password_from_env_or_file_keeps_it_out_of_configs(redis_binary, tmp_path, monkeypatch, prefix):
+    from remote_helpers import keys_for, load, make_tier, store
+
+    pw = f"pw-{uuid.uuid4().hex}"
+    pw_file = tmp_path / "redis.pw"
+    pw_file.write_text(pw + "\n")
+    monkeypatch.setenv("KVOFF_TEST_REDIS_PW", pw)
+    monkeypatch.delenv("KVOFF_TEST_UNSET", raising=False)
+    with LocalServer(password=pw) as srv:
+        url = f"redis://127.0.0.1:{srv.port}/0"
+        for conf in ({"password_env": "KVOFF_TEST_REDIS_PW"}, {"password_file": str(pw_file)}):
+            tier, m, w, pool = make_tier(url, prefix, **conf)
+            try:
+                assert store(m, w, keys_for(1, seed=70), [0]) and load(m, w, keys_for(1, seed=70), [1])
+                assert pw not in repr(tier.config)
+            finally:
+                tier.shutdown()
+        for conf, msg in (({"password_env": "KVOFF_TEST_UNSET"}, "not set"),
+                          ({"password_file": str(tmp_path / "missing")}, "password_file"),
+                          ({"password": "x", "password_env": "KVOFF_TEST_REDIS_PW"}, "at most one")):
+            with pytest.raises(ConfigError, match=msg) as e:
+                make_tier(url, prefix, **conf)
+            assert pw not in str(e.value)

@@ -24,6 +24,8 @@ class RemoteConfig:
     url: str = "redis://127.0.0.1:6379/0"  # redis://, rediss:// (TLS), unix:///path.sock
     username: str | None = None  # ACL user; overrides the URL's
     password: str | None = None  # overrides the URL's
+    password_env: str | None = None  # or: name of an environment variable holding it
+    password_file: str | None = None  # or: a file holding it (e.g. a mounted secret)
     key_prefix: str = "kvoffload"  # keys: <prefix>:<namespace digest>:<hex key>
     cluster: bool = False  # Redis Cluster (redis.cluster.RedisCluster)
     connect_timeout_s: float = 1.0
@@ -55,7 +57,8 @@ class RemoteConfig:
             raise ConfigError(f"remote.url {self.redacted_url!r}: scheme must be one of {list(SCHEMES)}")
         if self.cluster and scheme in ("unix",):
             raise ConfigError("remote.cluster: Redis Cluster needs a redis:// or rediss:// url, not unix://")
-        for key in ("username", "password", "tls_ca_certs", "mac_key_file", "mac_key_env"):
+        for key in ("username", "password", "password_env", "password_file", "tls_ca_certs", "mac_key_file",
+                    "mac_key_env"):
             v = getattr(self, key)
             if v is not None and not isinstance(v, str):
                 raise ConfigError(f"remote.{key} must be a string, got {type(v).__name__}")
@@ -78,6 +81,8 @@ class RemoteConfig:
         if self.lookup_deadline_s <= self.lookup_coalesce_s:
             raise ConfigError(f"remote.lookup_deadline_s ({self.lookup_deadline_s}) must be more than "
                               f"remote.lookup_coalesce_s ({self.lookup_coalesce_s})")
+        if sum(getattr(self, k) is not None for k in ("password", "password_env", "password_file")) > 1:
+            raise ConfigError("remote.password, remote.password_env and remote.password_file: give at most one")
         if self.mac_key_file is not None and self.mac_key_env is not None:
             raise ConfigError("remote.mac_key_file and remote.mac_key_env: give at most one")
         if self.mac_algorithm not in ("blake2b", "blake3"):
@@ -105,6 +110,22 @@ class RemoteConfig:
         return f"RemoteConfig({', '.join(shown)})"
 
     __str__ = __repr__
+
+    def load_password(self) -> str | None:
+        """password, or the one password_env / password_file names (None: the URL's, if any)."""
+        if self.password_env is not None:
+            value = os.environ.get(self.password_env)
+            if value is None:
+                raise ConfigError(f"remote.password_env {self.password_env!r}: the environment variable is not set")
+            return value
+        if self.password_file is not None:
+            try:
+                with open(self.password_file, encoding="utf-8") as f:
+                    return f.read().rstrip("\r\n")
+            except (OSError, UnicodeDecodeError) as e:
+                raise ConfigError(f"remote.password_file {self.password_file!r}: cannot read it "
+                                  f"({getattr(e, 'strerror', None) or type(e).__name__})") from None
+        return self.password
 
     def load_mac_key(self) -> bytes | None:
         """The MAC key from mac_key_file / mac_key_env (None: no MAC).

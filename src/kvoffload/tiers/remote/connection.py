@@ -36,8 +36,9 @@ def client_kwargs(cfg: RemoteConfig) -> dict:
     )
     if cfg.username is not None:
         kw["username"] = cfg.username
-    if cfg.password is not None:
-        kw["password"] = cfg.password
+    password = cfg.load_password()
+    if password is not None:
+        kw["password"] = password
     if cfg.url.startswith(("rediss://", "valkeys://")):
         kw["ssl_cert_reqs"] = "required" if cfg.tls_verify else "none"
         if cfg.tls_ca_certs:
