@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.config import ConfigError, OffloadingConfig, check_known_keys, parse_bytes
+from kvoffload.config import (
+    ConfigError,
+    OffloadingConfig,
+    check_fits_in_memory,
+    check_known_keys,
+    memory_available,
+    parse_bytes,
+)
 
 
 def test_defaults():
@@ -99,10 +106,36 @@ def test_parse_bytes(value, expected):
     assert parse_bytes(value, "size") == expected
 
 
-@pytest.mark.parametrize("value", ["", "lots", "GiB", "-1", 0, -4, 1.5, True, None, "0KiB"])
+@pytest.mark.parametrize("value", ["", "lots", "GiB", "-1", 0, -4, 1.5, True, None, "0KiB", "nanGiB"])
 def test_parse_bytes_rejects(value):
     with pytest.raises(ConfigError, match="size"):
         parse_bytes(value, "size")
+
+
+@pytest.mark.parametrize("value", ["1e400GiB", "infGiB", "-infKiB", "1e400B"])
+def test_parse_bytes_refuses_infinite_sizes(value):
+    with pytest.raises(ConfigError) as e:
+        parse_bytes(value, "cpu_bytes_to_use")
+    assert str(e.value) == f"cpu_bytes_to_use: {value!r} is not a finite size"
+
+
+def test_deep_or_undecodable_config_files_are_one_error(tmp_path):
+    (tmp_path / "deep.json").write_text("[" * 200_000)
+    with pytest.raises(ConfigError, match=r"deep.json: invalid JSON: nested too deeply$"):
+        OffloadingConfig.from_file(tmp_path / "deep.json")
+    (tmp_path / "latin1.json").write_bytes(b'{"extra_config": {"name": "caf\xe9"}}')
+    with pytest.raises(ConfigError, match=r"latin1.json: not UTF-8 text \(byte 30\)$"):
+        OffloadingConfig.from_file(tmp_path / "latin1.json")
+
+
+def test_memory_check_names_the_size_and_what_is_available():
+    avail = memory_available()
+    assert avail is not None and avail > 0  # Linux: /proc/meminfo
+    check_fits_in_memory(1, "one byte")
+    with pytest.raises(ConfigError) as e:
+        check_fits_in_memory(avail * 4, "a pool")
+    assert str(e.value).startswith(f"a pool needs {avail * 4} bytes (")
+    assert "but this machine has " in str(e.value) and str(e.value).endswith(" of memory available")
 
 
 @settings(deadline=None)  # no timing on a loaded machine

@@ -236,8 +236,8 @@ class TieringManager(OffloadingManager):
     # ---- lookups and promotions --------------------------------------------
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        r = self.primary.lookup(key, req_context)  # raises on a malformed key: count nothing before
         self._count("lookups")
-        r = self.primary.lookup(key, req_context)
         if self.tiers:
             if r is _MISS:
                 r = self._lookup_secondary(key, req_context)

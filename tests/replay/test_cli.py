@@ -60,3 +60,18 @@ def test_cpu_bytes_and_model_preset(mooncake_file, capsys):
     out = capsys.readouterr().out
     # 4 tokens x 128 KiB = 512 KiB chunks: 8 of them in 4 MiB
     assert "capacity 8 blocks" in out and "all bytes match" in out
+
+
+def test_json_report_with_metrics_and_events_endpoints(mooncake_file, tmp_path, capsys):
+    """The live endpoints were kept in the report's options, which could
+    not be deep-copied to JSON: the run ended in a traceback, no JSON."""
+    p = mooncake_file([[1, 2], [1, 3], [1, 2]])
+    js = tmp_path / "r.json"
+    rc = main(["replay", str(p), "--block-size", "4", "--cpu-blocks", "2", "--no-progress", "--metrics-port", "0",
+               "--events-endpoint", "tcp://127.0.0.1:*", "--json", str(js)])
+    assert rc == 0
+    assert "Traceback" not in capsys.readouterr().err
+    report = json.loads(js.read_text())
+    assert report["result"]["options"]["metrics"] == "PrometheusMetrics"
+    assert report["result"]["options"]["events"] == "ZmqEventPublisher"
+    assert report["summary"]["requests"] == 3

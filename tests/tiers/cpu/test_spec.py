@@ -107,6 +107,40 @@ def test_bad_extra_config(extra, match):
         CPUOffloadingSpec(cfg(extra))
 
 
+def test_sizes_larger_than_memory_are_refused_before_allocating():
+    """Refused at construction, naming the size asked and the memory
+    available, before any pool or manager exists."""
+    from kvoffload.config import memory_available
+
+    avail = memory_available()
+    if avail >= 2**40:
+        pytest.skip("this machine has 1 TiB available")
+    for extra, asked in (({"cpu_bytes_to_use": "1TiB"}, "cpu_bytes_to_use=1099511627776 needs 1099511627776 bytes"),
+                         ({"num_cpu_chunks": 10**11}, "a CPU tier of 100000000000 chunks needs 6400000000000 bytes"),
+                         ({"num_cpu_chunks": 2**27, "kv_bytes_per_chunk": "1MiB"},
+                          f"a CPU tier of {2**27} chunks of 1048576 bytes needs")):
+        with pytest.raises(ConfigError) as e:
+            CPUOffloadingSpec(cfg(extra))
+        assert str(e.value).startswith(asked) and str(e.value).endswith(" of memory available")
+    with pytest.raises(ConfigError, match=r"^num_cpu_chunks must be a positive integer, got '1e11'$"):
+        CPUOffloadingSpec(cfg({"num_cpu_chunks": "1e11"}))  # YAML reads 1e11 as a string
+
+
+def test_pool_sized_by_the_kv_caches_is_checked_at_get_worker():
+    """num_cpu_chunks without a chunk size: the pool's size is known once the
+    KV caches are; it is checked then, before the pool is allocated."""
+    from kvoffload.config import memory_available
+
+    chunks = 2**22  # 4 Mi chunks: 256 MiB of manager slots, 32 TiB of 8 KiB chunks
+    if memory_available() >= chunks * (8192 + 64):
+        pytest.skip("this machine has 32 TiB available")
+    spec = CPUOffloadingSpec(cfg({"num_cpu_chunks": chunks}))
+    _, kv = random_kv_caches(4, PAGES)
+    with pytest.raises(ConfigError, match=rf"^a CPU tier of {chunks} chunks of 8192 bytes needs "):
+        spec.get_worker(kv)
+    assert spec.shared_pool is None and spec._worker is None
+
+
 def test_block_size_conflicting_with_blocks_per_chunk():
     with pytest.raises(ConfigError, match="blocks_per_chunk=4 was given"):
         CPUOffloadingSpec(cfg({"num_cpu_chunks": 4, "block_size": 32}, blocks_per_chunk=4))

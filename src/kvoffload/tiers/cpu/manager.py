@@ -180,6 +180,7 @@ class CPUOffloadingManager(OffloadingManager):
             slots = [slot_of[k] for k in keys]
         except (KeyError, TypeError):
             raise self._not_held(keys, "prepare_load") from None
+        rec = self._record(req_context)  # before pinning: a bad context raises with nothing changed
         newly_pinned = 0
         for i, s in enumerate(slots):
             v = state[s]
@@ -192,7 +193,6 @@ class CPUOffloadingManager(OffloadingManager):
                 newly_pinned += 1
             state[s] = v + 1
         self._num_pinned += newly_pinned
-        rec = self._record(req_context)
         if rec is not None:
             rec[0].extend(keys)
             if rec[1]:
@@ -293,6 +293,9 @@ class CPUOffloadingManager(OffloadingManager):
     ) -> None:
         if not keys:
             return
+        if req_context is not None and not isinstance(req_context, ReqContext):  # read after the slots change
+            raise TypeError(f"{self.name}: complete_store's req_context must be a ReqContext or None, "
+                            f"got {type(req_context).__name__}")
         slot_of, state = self._slot_of, self._state
         try:
             slots = [slot_of[k] for k in keys]
