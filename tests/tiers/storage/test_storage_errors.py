@@ -148,3 +148,13 @@ def test_empty_or_damaged_namespace_json(make_tier, pool, content):
     assert "\n" not in str(e.value)
     meta.write_bytes(good)  # restored, as the message says: served again
     assert make_tier().get_manager().lookup(key(1), CTX) is LookupResult.HIT
+
+
+def test_open_failing_late_removes_the_files_it_created(tmp_path):
+    d = tmp_path / "store" / f"ns-{NS.digest()}"
+    d.mkdir(parents=True, mode=0o700)
+    (d / "index.log").mkdir()  # fails the open after the slab files were made
+    with pytest.raises(StorageError, match=r"index.log") as e:
+        StorageTier(str(tmp_path / "store"), 8 * CHUNK, CHUNK, NS)
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in d.iterdir()) == ["index.log"]  # ours gone, the rest untouched

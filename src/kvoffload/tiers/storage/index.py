@@ -201,6 +201,8 @@ class IndexLog:
         else:
             try:
                 found = replay_fd(fd, geometry, num_slots)
+            except OSError as e:  # name the file: pread errors carry no name
+                raise OSError(e.errno, e.strerror, self.NAME) from None
             finally:
                 os.close(fd)
         self.entries = found.entries
