@@ -26,18 +26,9 @@ def state(m) -> list:
     return [deep_state(getattr(m, a)) for a in SCHEDULER_STATE]
 
 
-KNOWN = "RemoteOffloadingManager (reported to the remote tier's owner): "
-
-
 @pytest.mark.parametrize("bad", BAD_KEYS, ids=repr)
 @pytest.mark.parametrize("method", ["lookup", "prepare_load", "touch", "prepare_store", "complete_store"])
-def test_remote_call_that_raises_changes_nothing(redis_server, prefix, method, bad, request):
-    unhashable = isinstance(bad, list)
-    if method == "lookup" and unhashable:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN + "lookup counts before it raises"))
-    if method == "prepare_store" and not isinstance(bad, bytes) and not unhashable:
-        request.applymarker(pytest.mark.xfail(strict=True, reason=KNOWN + "prepare_store marks keys as being "
-                                              "stored before their Redis names fail: HIT_PENDING forever"))
+def test_remote_call_that_raises_changes_nothing(redis_server, prefix, method, bad):
     tier, m, worker, pool = make_tier(redis_server.url, prefix, num_chunks=8)
     try:
         ctx = ReqContext("r")

@@ -104,12 +104,13 @@ class RemoteOffloadingManager(OffloadingManager):
 
     # -- OffloadingManager ----------------------------------------------
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        storing = key in self._storing  # first: an unhashable key raises before anything is counted
         self._n += 1
         if self._results or self._gone or not self._n & 127:  # hot path: skip the drain when idle
             self._drain()
         c = self._c
         c["lookups"] += 1
-        if key in self._storing:
+        if storing:
             c["hits_pending"] += 1
             return HIT_PENDING
         exp = self._present.get(key)
@@ -190,12 +191,10 @@ class RemoteOffloadingManager(OffloadingManager):
             return None
         now, present = _now(), self._present
         to_store = [k for k in keys if present.get(k, 0.0) <= now and k not in self._storing]
-        self._storing.update(to_store)
-        return PrepareStoreOutput(
-            keys_to_store=to_store,
-            store_spec=RemoteLoadStoreSpec(self._keyspace.redis_keys(to_store), to_store),
-            evicted_keys=[],  # eviction happens on the server, unseen
-        )
+        spec = RemoteLoadStoreSpec(self._keyspace.redis_keys(to_store), to_store)  # a bad key raises here
+        self._storing.update(to_store)  # only then: else it would answer HIT_PENDING forever
+        return PrepareStoreOutput(keys_to_store=to_store, store_spec=spec,
+                                  evicted_keys=[])  # eviction happens on the server, unseen
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext, success: bool = True) -> None:
         now = self._drain()
