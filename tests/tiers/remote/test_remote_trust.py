@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 import redis
 import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kvoffload.abstractions import LookupResult
 from kvoffload.config import ConfigError
 from kvoffload.tiers.base import HostPool, Namespace
 from kvoffload.tiers.remote import RemoteConfig, RemoteTier
-from kvoffload.tiers.remote.value import HEADER_BYTES, key_hash
+from kvoffload.tiers.remote.value import HEADER_BYTES, OK, WRONG_KEY, ValueCodec, key_hash
 from remote_helpers import fill, keys_for, load, lookup, make_tier, store
 
 pytestmark = pytest.mark.redis
@@ -191,3 +193,18 @@ def test_blake3_mac(redis_server, prefix, key_file):
     finally:
         tier.shutdown()
         b2.shutdown()
+
+
+@settings(max_examples=200, deadline=None)
+@given(payload=st.binary(min_size=1, max_size=4096), key=st.binary(min_size=1, max_size=80),
+       other=st.binary(min_size=1, max_size=80), bit=st.integers(0, 1 << 20), mac=st.booleans())
+def test_codec_accepts_only_the_exact_value_under_its_own_key(payload, key, other, bit, mac):
+    codec = ValueCodec(bytes(range(32)) if mac else None)
+    value = bytearray(codec.header(key, payload) + payload)
+    hdr, body = value[:HEADER_BYTES], memoryview(value)[HEADER_BYTES:]
+    assert codec.shape_ok(hdr, len(payload)) and codec.verify(key, hdr, body) == OK
+    if other != key:
+        assert codec.verify(other, hdr, body) == WRONG_KEY
+    value[(bit // 8) % len(value)] ^= 1 << (bit % 8)  # one flipped bit, anywhere
+    hdr, body = value[:HEADER_BYTES], memoryview(value)[HEADER_BYTES:]
+    assert not (codec.shape_ok(hdr, len(payload)) and codec.verify(key, hdr, body) == OK)
