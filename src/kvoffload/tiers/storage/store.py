@@ -271,6 +271,7 @@ class SlabStore:
                 break  # not empty (someone else's files) or gone: leave it
 
     def _open_slab(self, name: str, direct_io: bool) -> int:
+        existed = self._exists(name)
         if direct_io:
             try:
                 return self._open_file(name, os.O_RDWR | os.O_DIRECT)
@@ -279,7 +280,10 @@ class SlabStore:
                     raise
                 log.warning("%s: O_DIRECT not supported here; using buffered IO", self.dir / name)
                 self.direct_io = False
-        return self._open_file(name, os.O_RDWR)
+        fd = self._open_file(name, os.O_RDWR)
+        if not existed and name not in self._made_files:  # made by the refused O_DIRECT open
+            self._made_files.append(name)
+        return fd
 
     def locate(self, slot: int) -> tuple[int, int]:
         """(file descriptor, byte offset) of a slot."""
