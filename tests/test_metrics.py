@@ -11,7 +11,7 @@ from kvoffload.stats import format_table, parse_metrics
 
 
 def scrape(port):
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=120) as r:  # generous: a loaded machine
         return r.read().decode()
 
 

@@ -16,10 +16,16 @@ CTX = ReqContext("test")
 STEP = ScheduleEndContext((), ())
 
 
+# Timeouts for a healthy server on a loaded machine: the defaults (a 0.5 s
+# lookup deadline, 2 s sockets) can expire there and turn a HIT into a MISS.
+# Tests of the timeouts themselves give their own.
+PATIENT = dict(connect_timeout_s=30.0, socket_timeout_s=30.0, lookup_deadline_s=30.0)
+
+
 def make_tier(url: str, prefix: str, num_chunks: int = 32, chunk_bytes: int = 64 << 10, **cfg):
     pool = HostPool(num_chunks, chunk_bytes)
     ns = Namespace(model="tiny", dtype="bf16", layout="canon", block_size=16, chunk_bytes=pool.used_chunk_bytes)
-    tier = RemoteTier({"url": url, "key_prefix": prefix, **cfg}, ns)
+    tier = RemoteTier({"url": url, "key_prefix": prefix, **PATIENT, **cfg}, ns)
     return tier, tier.get_manager(), tier.get_worker(pool), pool
 
 
@@ -57,15 +63,25 @@ def store(manager, worker, keys, slots) -> bool:
     return ok
 
 
-def lookup(manager, key, max_steps: int = 2000) -> LookupResult:
-    """Ask until the answer is not RETRY, stepping the 'scheduler' in between."""
-    for _ in range(max_steps):
+def lookup(manager, key, give_up_s: float = 45.0) -> LookupResult:
+    """Ask until the answer is not RETRY, stepping the 'scheduler' in between
+    (bounded in time, not steps: a loaded machine takes fewer, slower steps)."""
+    deadline = time.monotonic() + give_up_s
+    while time.monotonic() < deadline:
         r = manager.lookup(key, CTX)
         if r is not LookupResult.RETRY:
             return r
         manager.on_schedule_end(STEP)
         time.sleep(0.001)
-    raise AssertionError(f"lookup still RETRY after {max_steps} steps")
+    raise AssertionError(f"lookup still RETRY after {give_up_s} s")
+
+
+def wait_until(condition, what: str, give_up_s: float = 120.0) -> None:
+    """Poll a condition (generously bounded) instead of sleeping a guess."""
+    deadline = time.monotonic() + give_up_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {give_up_s} s"
+        time.sleep(0.02)
 
 
 def load(manager, worker, keys, slots) -> bool:
