@@ -97,8 +97,8 @@ class SlabStore:
             self._open(direct_io)
         except OSError as e:
             self._undo()
-            name = e.filename if isinstance(e.filename, str) and "/" in e.filename else \
-                self.dir / e.filename if e.filename else self.dir
+            # files are opened relative to the directory: name them in full
+            name = self.dir / e.filename if isinstance(e.filename, str) else self.dir
             if e.errno == errno.ELOOP:
                 raise StorageError(f"{name} is a symbolic link: refusing to follow it") from None
             raise StorageError(f"storage directory {self.dir}: {os.strerror(e.errno or 0)} "
