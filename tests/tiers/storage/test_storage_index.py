@@ -11,7 +11,7 @@ import pytest
 
 from kvoffload.abstractions import LookupResult
 from kvoffload.tiers.storage.tier import StorageTier
-from storage_helpers import CHUNK, CTX, NS, close, expected, fill, key, load, store
+from storage_helpers import CTX, close, expected, fill, key, load, store
 
 RECORD = 128  # bytes per index record
 
