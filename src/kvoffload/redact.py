@@ -44,7 +44,10 @@ def redact_url(url: str) -> str:
     if netloc == parts.netloc and query == parts.query:
         return url
     # by hand: urlunsplit drops the empty authority of unix:///path
-    out = f"{parts.scheme}://{netloc}{parts.path}" if parts.scheme else urlunsplit(parts._replace(netloc=netloc, query="", fragment=""))
+    if parts.scheme:
+        out = f"{parts.scheme}://{netloc}{parts.path}"
+    else:
+        out = urlunsplit(parts._replace(netloc=netloc, query="", fragment=""))
     return out + (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
 
 

@@ -6,9 +6,9 @@ MAC key never appear in messages, logs or reprs (see kvoffload.redact).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-import os
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -91,7 +91,8 @@ class RemoteConfig:
             try:
                 import blake3  # noqa: F401
             except ImportError:
-                raise ConfigError("remote.mac_algorithm 'blake3' needs the blake3 package (pip install blake3)") from None
+                raise ConfigError("remote.mac_algorithm 'blake3' needs the blake3 package "
+                                  "(pip install blake3)") from None
 
     @property
     def redacted_url(self) -> str:

@@ -37,7 +37,8 @@ class RemoteTier(SecondaryTier):
         self.name = name
         self.enable_events = enable_events
         self.keyspace = KeySpace(self.config.key_prefix, namespace)
-        self.codec = ValueCodec(self.config.load_mac_key(), self.config.mac_algorithm)  # before connecting: a bad key opens nothing
+        # before connecting: a bad key file opens nothing
+        self.codec = ValueCodec(self.config.load_mac_key(), self.config.mac_algorithm)
         self.state = SharedState(self.config)
         self.client = build_client(self.config)
         try:

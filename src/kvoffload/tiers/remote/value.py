@@ -32,7 +32,6 @@ from kvoffload.tiers.base import Namespace
 MAGIC = b"KVOF"
 VERSION = 2  # 1: no key hash, no MAC
 MAC_FLAGS = {"blake2b": 1, "blake3": 2}  # flags: which keyed hash made the MAC field
-_FLAG_BITS = 3
 HEADER = struct.Struct("<4sHHQQQ16s")
 HEADER_BYTES = HEADER.size  # 48
 _CHECKED = 24  # header bytes covered by the checksum: through the key hash
