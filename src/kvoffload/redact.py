@@ -17,6 +17,8 @@ SECRET_KEYS = frozenset({"password", "passwd", "pass", "secret", "token", "auth_
                          "api_key", "access_key", "secret_key"})
 # a URL with userinfo inside a longer string (e.g. an error message)
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)(?P<user>[^:@/\s]*):(?P<pw>[^@\s]*)@")
+# a secret query parameter inside a longer string
+_QUERY = re.compile(r"(?P<head>[?&](?P<name>[A-Za-z_-]+)=)(?P<value>[^&#\s'\"]*)")
 
 
 def is_secret_key(name: str) -> bool:
@@ -52,8 +54,9 @@ def redact_url(url: str) -> str:
 
 
 def redact_text(text: str) -> str:
-    """Mask user:password@ in every URL inside free text."""
-    return _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{MASK}@", text)
+    """Mask user:password@ and secret query parameters in every URL inside free text."""
+    text = _USERINFO.sub(lambda m: f"{m['scheme']}{m['user']}:{MASK}@", text)
+    return _QUERY.sub(lambda m: m["head"] + MASK if is_secret_key(m["name"]) else m[0], text)
 
 
 def redact(obj: Any) -> Any:

@@ -64,6 +64,7 @@ def test_redact_helpers():
     assert redact_url("unix:///run/r.sock?password=s3c&db=1") == "unix:///run/r.sock?password=***&db=1"
     assert redact_url("redis://h:6379/0") == "redis://h:6379/0"
     assert "s3c" not in redact_text("cannot reach rediss://:s3c@h:1 now")
+    assert redact_text("at 'unix:///r.sock?db=1&password=s3c' now") == "at 'unix:///r.sock?db=1&password=***' now"
     assert redact({"remote_url": "redis://:s3c@h", "password": "s3c", "mac_key_file": "/k", "n": [1]}) == {
         "remote_url": "redis://:***@h", "password": "***", "mac_key_file": "/k", "n": [1]}
 
