@@ -81,6 +81,9 @@ class _Hostile(dict):
     def get(self, *a):
         raise RuntimeError("boom")
 
+    def __repr__(self):
+        raise RuntimeError("no repr either")
+
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=20),
@@ -103,9 +106,13 @@ def test_any_json_value_never_raises(params):
     assert set(h.bad) <= {"kv_transfer_params", "kv_retention", "kv_load_tiers"}
 
 
-def test_even_a_raising_mapping_is_only_ignored():
-    h = parse_hints(_Hostile(kv_retention="low"), "r")
+def test_even_a_raising_mapping_is_only_ignored(caplog):
+    with caplog.at_level(logging.WARNING, logger="kvoffload.hints"):
+        h = parse_hints(_Hostile(kv_retention="low"), "r")
     assert h.bad == ("kv_transfer_params",) and h.low_retention is False
+    (rec,) = caplog.records
+    assert rec.getMessage().startswith("request 'r': ignoring kv_transfer_params=<_Hostile instance at ")
+    assert rec.getMessage().endswith(": unreadable (RuntimeError)")
 
 
 def test_bad_hints_become_a_declared_prometheus_counter():

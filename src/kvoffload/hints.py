@@ -124,6 +124,7 @@ def parse_hints(params: Any, req_id: Any = None) -> RequestHints:
     if not bad:
         return RequestHints(low, tiers) if (low or tiers is not None) else NO_HINTS
     for key, value, why in bad:
+        # reprlib: a long value's head only; an object whose repr raises is shown by its type
         log.warning("request %s: ignoring %s=%s: %s", _short.repr(req_id), key, _short.repr(value), why)
     return RequestHints(low, tiers, tuple(k for k, _, _ in bad))
 
