@@ -113,3 +113,30 @@ def test_a_torn_tail_is_dropped_not_counted(make_tier, pool):
     again = make_tier()
     assert again.get_manager().lookup(key(1), CTX) is LookupResult.HIT
     assert again.store.bad_index_records == 0
+
+
+def test_a_log_of_the_previous_format_is_still_served(make_tier, pool):
+    """Logs written before records were seeded by the geometry (header
+    version 0) are read as they were written, then rewritten."""
+    from kvoffload.tiers.storage.index import OP_HEADER, OP_PUT, pack, read_header
+
+    tier = make_tier()
+    fill(pool, 0, key(1))
+    assert store(tier, pool, [key(1)], [0])
+    s = tier.store
+    (slot, (k, checksum)), = s.durable.items()
+    g = s.index.geometry
+    path = s.dir / "index.log"
+    close(tier)
+    path.write_bytes(pack(OP_HEADER, 0, g.slot_bytes, g.header_key()) + pack(OP_PUT, slot, checksum, k))
+    again = make_tier()
+    assert again.get_manager().lookup(key(1), CTX) is LookupResult.HIT
+    assert load(again, pool, [key(1)], [3])
+    np.testing.assert_array_equal(pool.chunk(3), expected(key(1)))
+    close(again)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert read_header(fd) is not None  # rewritten in the new format
+    finally:
+        os.close(fd)
+    assert make_tier().get_manager().lookup(key(1), CTX) is LookupResult.HIT

@@ -112,14 +112,16 @@ def replay_fd(fd: int, geometry: Geometry, num_slots: int) -> Replayed:
     if size == 0:
         return out
     first = unpack(os.pread(fd, RECORD_BYTES, 0))
+    seed = geometry.seed()
     if first is not None and first[0] == OP_HEADER:
-        if first[4] != VERSION or first[3] != geometry.header_key() or first[2] != geometry.slot_bytes:
+        if first[4] not in (0, VERSION) or first[3] != geometry.header_key() or first[2] != geometry.slot_bytes:
             out.foreign = True
             return out
+        if first[4] == 0:  # written before records were seeded: read as then (the open rewrites it)
+            seed = 0
         out.records = 1
     else:
         out.bad_records = 1  # a damaged header: the records still check themselves
-    seed = geometry.seed()
     live = out.entries
     slot_of: dict[bytes, int] = {}
     pending_bad = 0  # bad records not yet followed by a good one
