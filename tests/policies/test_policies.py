@@ -4,6 +4,7 @@ import copy
 
 import pytest
 
+from kvoffload.abstractions import ReqContext
 from kvoffload.config import ConfigError
 from kvoffload.policies import ARCPolicy, EvictionPolicy, LRUPolicy, get_policy_class, policy_names, register_policy
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
@@ -188,14 +189,20 @@ ops = st.lists(st.tuples(st.sampled_from(["insert", "touch", "refresh", "evict",
 def test_policy_evict_contract_under_random_use(cls, ops):
     p = cls(6)
     held: set[bytes] = set()
+    # no request, or one of three (whose stores a policy may group while they run)
+    ctxs = [None, ReqContext("a"), ReqContext("b"), ReqContext("c")]
+    for c in ctxs[1:]:
+        for i in range(16):
+            c.set_offload_key_position(K(i), (i + 1) * 16)
     for op, ids, pinned in ops:
+        ctx = ctxs[sum(ids) % len(ctxs)]
         ids = list(dict.fromkeys(ids))
         if op == "insert":
             new = [K(i) for i in ids if K(i) not in held][: 6 - len(held)]
-            p.insert(new, None)
+            p.insert(new, ctx)
             held.update(new)
         elif op in ("touch", "refresh"):
-            getattr(p, op)([K(i) for i in ids], None)
+            getattr(p, op)([K(i) for i in ids], ctx)
         elif op == "remove":
             for i in ids:
                 p.remove(K(i))

@@ -1,11 +1,12 @@
-"""Least recently used: one OrderedDict, oldest first."""
+"""Least recently used: one OrderedDict, oldest first, in which a running
+request's stored keys keep prefix order (policies._grouped)."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 
 from kvoffload.abstractions import ReqContext
+from kvoffload.policies._grouped import GroupedOrder
 from kvoffload.policies.base import EvictionPolicy
 
 
@@ -14,54 +15,66 @@ class LRUPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        self._order: OrderedDict[bytes, None] = OrderedDict()  # oldest first
+        self._keys = GroupedOrder()  # oldest first: keys, and groups of a request's keys
 
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        if ctx is not None and keys and keys[-1] in ctx._offload_key_positions:
+            # a request's keys (with positions, as vLLM gives): ranked with its earlier stores, tail first
+            self._keys.add_grouped(keys, self, ctx)
+            return
         # Reversed: the tail lands older than the head, so it goes first.
-        order = self._order
+        order = self._keys.order
         for k in reversed(keys):
             order[k] = None  # the manager inserts only keys it does not hold
+        self._keys.n += len(keys)
 
     def insert_cold(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        order = self._order
+        order = self._keys.order
         move = order.move_to_end
         for k in keys:  # head first to the old end: the tail ends up oldest
             order[k] = None
             move(k, last=False)
+        self._keys.n += len(keys)
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        move = self._order.move_to_end
+        order, owner = self._keys.order, self._keys.owner
+        if owner and self._keys.ungroup_all(keys):  # a finished request's stores, at once
+            order.update(dict.fromkeys(reversed(keys)))
+            return
+        move = order.move_to_end
         for k in reversed(keys):
-            try:
-                move(k)
-            except KeyError:
-                pass
+            group = owner.pop(k, None)
+            if group is None:
+                try:
+                    move(k)
+                except KeyError:
+                    pass
+            else:  # a grouped key (a request's store): now ranked on its own
+                g = group.keys
+                del g[k]
+                if not g:
+                    del order[group]
+                order[k] = None
 
     refresh = touch  # recency is all LRU knows
 
     def remove(self, key: bytes) -> None:
-        self._order.pop(key, None)
+        self._keys.remove(key)
 
     def evict(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes] | None:
         if n <= 0:
             return []
-        order = self._order
-        if n > len(order):
+        keys = self._keys
+        if n > len(keys):
             return None
-        victims = []
-        for k in order:
-            if can_evict(k):
-                victims.append(k)
-                if len(victims) == n:
-                    break
-        else:
+        victims = keys.pick(n, can_evict)
+        if len(victims) < n:
             return None
-        for k in victims:
-            del order[k]
+        keys.remove_all(victims)
         return victims
 
     def __len__(self) -> int:
-        return len(self._order)
+        return self._keys.n
 
     def __contains__(self, key: object) -> bool:
-        return key in self._order
+        return key in self._keys

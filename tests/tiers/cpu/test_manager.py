@@ -394,3 +394,57 @@ def test_reading_back_own_stores_is_not_a_reuse():
     m.complete_load(keys(1, 2), ctx)
     m.on_request_finished(ctx)
     assert not m.policy.t2
+
+
+def _store_batches(m, ctx, *batches):
+    for b in batches:
+        out = m.prepare_store(b, ctx)
+        m.complete_store(set(out.keys_to_store), ctx)  # vLLM passes a set
+
+
+def _evict_one_by_one(m, n):
+    order = []
+    for j in range(n):
+        out = m.prepare_store([K(1000 + j)], None)
+        m.complete_store(out.keys_to_store, None)
+        order += out.evicted_keys
+    return order
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_running_request_keeps_prefix_order_across_its_batches(policy):
+    """vLLM 0.33's order: while a request runs, its stores rank together,
+    tail first, however many batches they came in (its head outlives its
+    tail, so what it stored stays reachable)."""
+    m = CPUOffloadingManager(6, policy)
+    old = _req("old", keys(100, 101))
+    _store_batches(m, old, keys(100, 101))
+    m.on_request_finished(old)
+    r = _req("r", keys(0, 1, 2, 3))
+    _store_batches(m, r, keys(0, 1), keys(2, 3))  # still running
+    assert _evict_one_by_one(m, 6) == keys(101, 100, 3, 2, 1, 0)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_a_running_request_ranks_at_its_first_store(policy):
+    m = CPUOffloadingManager(4, policy)
+    a = _req("a", keys(1, 2))
+    _store_batches(m, a, keys(1))
+    b = _req("b", keys(9))
+    _store_batches(m, b, keys(9))
+    m.on_request_finished(b)
+    _store_batches(m, a, keys(2))  # a's tail, stored after b finished
+    assert _evict_one_by_one(m, 4)[:3] == keys(2, 1, 9)
+    m.on_request_finished(a)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc"])
+def test_finishing_reranks_a_requests_batches_head_most_recent(policy):
+    m = CPUOffloadingManager(6, policy)
+    r = _req("r", keys(0, 1, 2, 3))
+    _store_batches(m, r, keys(0, 1), keys(2, 3))
+    other = _req("o", keys(7))
+    _store_batches(m, other, keys(7))
+    m.on_request_finished(other)
+    m.on_request_finished(r)  # now the most recent, head last out
+    assert _evict_one_by_one(m, 6)[:5] == keys(7, 3, 2, 1, 0)
