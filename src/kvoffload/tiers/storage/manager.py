@@ -103,8 +103,9 @@ class StorageOffloadingManager(OffloadingManager):
 
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         self._drain_corrupt()
+        held = key in self._slot_of  # an unhashable key raises here, before anything is counted
         self._count("lookups")
-        if key not in self._slot_of or key in self._doomed:
+        if not held or key in self._doomed:
             self._count("misses")
             return LookupResult.MISS
         if key in self._writing:
@@ -129,6 +130,10 @@ class StorageOffloadingManager(OffloadingManager):
             self.policy.touch(prefix_order(held, req_context), req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        keys = keys if type(keys) is list else list(keys)
+        if any(type(k) is not bytes for k in keys):
+            for k in keys:
+                hash(k)  # an unhashable key raises before any pin is released
         for key in keys:
             n = self._pins.get(key, 0) - 1
             if n > 0:
