@@ -86,7 +86,7 @@ class EngineOptions:
     samples: int = 100  # points of the hit-rate-over-time series
     strict: bool = False  # raise on the first byte mismatch instead of counting it
     order: str = "vllm"  # "vllm" or "legacy" (see the module docstring)
-    preempt_every: int = 0  # vllm order: preempt the newest decoding request every N steps
+    preempt_every: int = 0  # vllm order: preempt the newest decoding request every N steps (once per request)
     abort_every: int = 0  # vllm order: abort every N-th request when it is scheduled
     reset_every: int = 0  # vllm order: reset_cache() before every N-th step
     progress: bool = True
@@ -570,7 +570,8 @@ class ReplayEngine:
         # then requests whose loads landed, then the waiting queue
         preempted: list[str] = []
         if opts.preempt_every and step % opts.preempt_every == 0:
-            victim = next((r for r in reversed(self.running) if r.phase == "decode"), None)
+            # once per request at most: a long decode preempted every N steps would never finish
+            victim = next((r for r in reversed(self.running) if r.phase == "decode" and not r.resumed), None)
             if victim is not None:
                 self._preempt(victim, waiting)
                 preempted.append(victim.req.req_id)
@@ -602,6 +603,7 @@ class ReplayEngine:
         for run in finishing:
             if not run.aborted:
                 self._offer_vllm(run, len(run.keys), flush)
+        for run in finishing:  # after every prepare_store of the step
             t0 = time.perf_counter()
             mgr.on_request_finished(run.ctx)
             self._mgr(t0, 1)
