@@ -79,13 +79,16 @@ MAX_STEPS = 3000  # served well within; a request starved by stuck keys never is
 
 class LateResults:
     """A worker of ours (the CPU tier's, or a secondary tier's) with each
-    finished job reported 0-2 engine steps after it finished. Every job
-    submitted is waited for first, so the run does not depend on timing."""
+    finished job reported 0-2 engine steps after it finished, except jobs
+    waited for (wait(): a flush), reported at the next get_finished as
+    vLLM's own test worker does. Every job submitted is waited for first,
+    so the run does not depend on timing."""
 
     def __init__(self, inner, rng: random.Random, clock):
         self.inner, self.rng, self.clock = inner, rng, clock
         self.submitted: set[int] = set()
         self.held: list[tuple[int, object]] = []
+        self.flushed: set[int] = set()
 
     def submit_store(self, job_id, src, dst):
         self.submitted.add(job_id)
@@ -97,6 +100,7 @@ class LateResults:
 
     def wait(self, job_ids):
         self.inner.wait(job_ids)
+        self.flushed.update(job_ids)
 
     def get_finished(self):
         self.inner.wait(set(self.submitted))
@@ -105,8 +109,9 @@ class LateResults:
         for r in sorted(self.inner.get_finished(), key=lambda r: r.job_id):
             assert r.success, f"our worker failed job {r.job_id}"
             self.held.append((now + self.rng.randint(0, 2), r))
-        due = [r for s, r in self.held if s <= now]
-        self.held = [(s, r) for s, r in self.held if s > now]
+        flushed, self.flushed = self.flushed, set()
+        due = [r for s, r in self.held if s <= now or r.job_id in flushed]
+        self.held = [(s, r) for s, r in self.held if s > now and r.job_id not in flushed]
         return due
 
     def __getattr__(self, name):  # anything else a worker has
