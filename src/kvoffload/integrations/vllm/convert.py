@@ -147,13 +147,20 @@ def offloading_config(vconfig: Any, spec_keys: tuple[str, ...] = (),
 # ---- scheduler side ---------------------------------------------------------
 
 def tier_filter(vfilter: Any) -> ko.TierFilter:
+    """vLLM's parse of a request's kv_load_tiers as ours. Never raises (it is
+    client data, read in the scheduler): a medium or locality we do not know
+    gives ALL; the tiered manager replaces the filter with its own parse of
+    kv_load_tiers (kvoffload.hints) anyway."""
     if vfilter is vbase.TierFilter.ALL:
         return ko.TierFilter.ALL
-    return ko.TierFilter(tuple(
-        ko.TierMatcher(ko.Medium(m.medium.value) if m.medium is not None else None,
-                       ko.Locality(m.locality.value) if m.locality is not None else None)
-        for m in vfilter.matchers
-    ))
+    try:
+        return ko.TierFilter(tuple(
+            ko.TierMatcher(ko.Medium(m.medium.value) if m.medium is not None else None,
+                           ko.Locality(m.locality.value) if m.locality is not None else None)
+            for m in vfilter.matchers
+        ))
+    except ValueError:  # a newer vLLM's medium or locality
+        return ko.TierFilter.ALL
 
 
 def req_context(vctx: Any) -> ko.ReqContext | None:
