@@ -73,7 +73,7 @@ def test_stats_table_from_scrape():
     m.record_stats(tier_stats())
     tiers = parse_metrics(m.text())
     assert set(tiers) == {"cpu", "storage"}
-    assert tiers["cpu"]["hit_rate"] == pytest.approx(0.75)
+    assert tiers["cpu"]["lookup_hit_rate"] == pytest.approx(0.75)  # hits / lookups (hits, misses)
     table = format_table(tiers)
     assert "cpu" in table.splitlines()[1] and "0.750" in table
 
@@ -89,7 +89,7 @@ def test_stats_cli_once(capsys):
     finally:
         m.close()
     out = capsys.readouterr().out
-    assert "storage" in out and "hit_rate" in out
+    assert "storage" in out and "lookup_hit_rate" in out
 
 
 def test_stats_cli_unreachable(capsys):

@@ -1,5 +1,11 @@
 """`kvoffload stats`: a live per-tier table scraped from a /metrics endpoint
-(the replay's --metrics-port, or any engine exporting our series)."""
+(the replay's --metrics-port, or any engine exporting our series).
+
+Its hit rate is the *lookup hit rate*: hits / lookups of that tier's
+manager. The scheduler looks a request's blocks up one by one only until
+the first miss, so it is higher than the *prefix hit rate* that `kvoffload
+replay` reports (blocks served / all prompt blocks referenced). The replay
+prints both per tier, with the same definitions."""
 
 from __future__ import annotations
 
@@ -8,7 +14,7 @@ import time
 import urllib.request
 from collections import defaultdict
 
-COLUMNS = ("lookups", "hits", "misses", "hit_rate", "stored_blocks", "loaded_blocks",
+COLUMNS = ("lookups", "hits", "misses", "lookup_hit_rate", "stored_blocks", "loaded_blocks",
            "evictions", "dropped_stores", "checksum_failures", "used_blocks", "usage")
 
 
@@ -26,9 +32,17 @@ def parse_metrics(text: str) -> dict[str, dict[str, float]]:
                 continue
             tiers[sample.labels["tier"]][stat] = sample.value
     for t in tiers.values():
-        found = t.get("hits", 0.0) + t.get("misses", 0.0)
-        t["hit_rate"] = t.get("hits", 0.0) / found if found else 0.0
+        t["lookup_hit_rate"] = lookup_hit_rate(t)
     return dict(tiers)
+
+
+def lookup_hit_rate(counters: dict[str, float]) -> float:
+    """hits / lookups of one tier's manager (a lookup answers hit, miss,
+    pending or retry); lookups counted from those when not exported."""
+    n = counters.get("lookups")
+    if n is None:
+        n = sum(counters.get(k, 0) for k in ("hits", "misses", "hits_pending", "retries"))
+    return counters.get("hits", 0) / n if n else 0.0
 
 
 def format_table(tiers: dict[str, dict[str, float]]) -> str:
@@ -39,11 +53,11 @@ def format_table(tiers: dict[str, dict[str, float]]) -> str:
         cells = [name]
         for c in COLUMNS:
             v = t.get(c, 0.0)
-            cells.append(f"{v:.3f}" if c in ("hit_rate", "usage") else f"{int(v):,}")
+            cells.append(f"{v:.3f}" if c in ("lookup_hit_rate", "usage") else f"{int(v):,}")
         rows.append(cells)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
-                     for r in rows)
+                     for r in rows) + "\nlookup_hit_rate: hits / lookups per tier (not the replay's prefix hit rate)"
 
 
 def scrape(url: str, timeout: float = 5.0) -> str:

@@ -234,3 +234,24 @@ def test_tiered_spec_serves_cpu_evictions_from_storage(mooncake_file, tmp_path):
     tiers = summary(r)["tiers"]
     assert set(tiers) >= {"cpu", "storage"}
     assert tiers["cpu"]["prefix_hit_rate"] == 0 and tiers["storage"]["prefix_hit_rate"] == 3 / 9
+
+
+def test_blocks_promoted_by_look_ahead_are_credited_to_storage(mooncake_file, tmp_path):
+    from kvoffload.replay.report import summary
+
+    # r1 pushes 1,2,3 out of a 6-block CPU tier into storage; r2's lookup of 1
+    # hits storage and its look-ahead promotes 2,3 in the same batch, so 2,3
+    # answer HIT at once: all three came from storage, none from CPU.
+    tr = load_trace(mooncake_file([[1, 2, 3], [4, 5, 6, 7, 8, 9], [1, 2, 3]], block_size=64), block_size=64)
+    o = opts(6, extra={"storage_dir": str(tmp_path / "kv"), "storage_bytes": "1MiB"}, sync_tiers=True)
+    o.spec = "tiered"
+    r = replay(tr, o)
+    assert counts(r) == (0, 3, 12)
+    assert r.counters["offload_hit_blocks_after_pending"] == 1  # only the first answered HIT_PENDING
+    assert r.counters["offload_hit_blocks_promoted"] == 3
+    assert r.counters["verified_blocks"] == 3 and r.counters["verify_failures"] == 0
+    s = summary(r)
+    tiers = s["tiers"]
+    assert tiers["storage"]["promoted_blocks"] == 3
+    assert tiers["cpu"]["prefix_hit_rate"] == 0 and tiers["storage"]["prefix_hit_rate"] == 3 / 12
+    assert tiers["cpu"]["lookup_hit_rate"] == tiers["cpu"]["hits"] / tiers["cpu"]["lookups"]

@@ -92,6 +92,14 @@ def test_replay_metrics_scraped_over_http():
     assert values[("kvoffload_stored_blocks_total", None)] == cpu["stored_blocks"]
     assert values[("kvoffload_transfer_bytes_count", "load")] == result.counters["load_jobs"]
     assert values[("kvoffload_transfer_bytes_sum", "store")] == result.counters["bytes_stored"]
+    # `kvoffload stats` and the replay report name the same lookup hit rate
+    # and agree on it; the replay's prefix hit rate is a different, lower figure
+    from kvoffload.replay.report import summary
+    from kvoffload.stats import parse_metrics
+
+    tier = summary(result)["tiers"]["cpu"]
+    assert parse_metrics(text)["cpu"]["lookup_hit_rate"] == tier["lookup_hit_rate"] == cpu["hits"] / cpu["lookups"]
+    assert tier["prefix_hit_rate"] < tier["lookup_hit_rate"]
 
 
 def test_bad_event_endpoint_is_a_clear_cli_error(capsys):

@@ -35,3 +35,34 @@ def test_belady_never_worse_than_lru(cap):
 def test_unknown_oracle():
     with pytest.raises(ValueError, match="unknown oracle 'fifo'"):
         simulate(TRACE, 3, "fifo")
+
+
+def _tier(cap, composite=False):
+    return {"composite": composite, "counters": {}, "gauges": {} if cap is None else {"capacity_blocks": cap}}
+
+
+def test_tiered_oracle_also_at_all_tiers_capacity():
+    from kvoffload.replay.oracle import replay_oracles
+
+    cpu_only = replay_oracles(TRACE, {"cpu": _tier(1)}, 99)
+    assert cpu_only == {"capacity_blocks": 1, "lru": simulate(TRACE, 1, "lru").hit_rate,
+                        "belady": simulate(TRACE, 1, "belady").hit_rate}
+    tiered = replay_oracles(TRACE, {"tiered": _tier(None, True), "cpu": _tier(1), "storage": _tier(2)}, 99)
+    assert tiered["capacity_blocks"] == 1 and tiered["lru"] == cpu_only["lru"]
+    assert tiered["all_tiers_capacity_blocks"] == 3
+    assert tiered["all_tiers_lru"] == simulate(TRACE, 3, "lru").hit_rate > tiered["lru"]
+    assert tiered["all_tiers_belady"] == simulate(TRACE, 3, "belady").hit_rate
+    # a lower tier of unknown capacity (remote): no all-tiers figure, not a wrong one
+    assert "all_tiers_lru" not in replay_oracles(TRACE, {"cpu": _tier(1), "remote": _tier(None)}, 99)
+
+
+def test_tiered_replay_report_labels_both_oracles(tmp_path, capsys):
+    from kvoffload.cli import main
+
+    rc = main(["replay", "--sessions", "6", "--no-progress", "--oracle", "--cpu-blocks", "20",
+               "--storage-dir", str(tmp_path / "kv"), "--storage-bytes", "1MiB"])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert "oracle at CPU tier alone, 20 blocks" in out
+    assert "oracle at all tiers' capacity, " in out
+    assert "prefix hit rate" in out and "lookup hit rate" in out

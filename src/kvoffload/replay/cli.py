@@ -281,19 +281,15 @@ def _stop_observability(args) -> None:
 
 def replay_once(trace: Trace, opts, oracle: bool):
     from kvoffload.replay.engine import replay
-    from kvoffload.replay.oracle import simulate
+    from kvoffload.replay.oracle import replay_oracles
 
     result = replay(trace, opts)
     for key in ("metrics", "events"):  # live objects: a report holds what they are, not them
         if result.options.get(key) is not None:
             result.options[key] = type(result.options[key]).__name__
     if oracle:
-        cap = next((t["gauges"].get("capacity_blocks") for t in result.tiers.values()
-                    if t["gauges"].get("capacity_blocks")), None) or opts.extra_config.get("num_cpu_chunks")
-        blocks = [r.block_hashes for r in trace.requests]
-        result.oracle = {"capacity_blocks": int(cap),
-                         "lru": simulate(blocks, int(cap), "lru").hit_rate,
-                         "belady": simulate(blocks, int(cap), "belady").hit_rate}
+        result.oracle = replay_oracles([r.block_hashes for r in trace.requests], result.tiers,
+                                       opts.extra_config.get("num_cpu_chunks"))
     return result
 
 

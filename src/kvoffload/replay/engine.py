@@ -904,7 +904,8 @@ class ReplayEngine:
         c = self.c
         point = {"requests": done, "block_refs": c["block_refs"], "gpu_hit_blocks": c["gpu_hit_blocks"],
                  "offload_hit_blocks": c["offload_hit_blocks"],
-                 "offload_hit_blocks_after_pending": c["offload_hit_blocks_after_pending"]}
+                 "offload_hit_blocks_after_pending": c["offload_hit_blocks_after_pending"],
+                 "offload_hit_blocks_promoted": c["offload_hit_blocks_promoted"]}
         self.timeline.append(point)
 
 

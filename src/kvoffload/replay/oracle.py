@@ -132,3 +132,20 @@ def simulate_belady(requests: Sequence[Sequence[int]], capacity: int,
                 resident[b] = nxt
                 heapq.heappush(heap, (-nxt, b))
     return OracleResult("belady", capacity, sum(len(b) for b in requests), hits)
+
+
+def replay_oracles(requests: Sequence[Sequence[int]], tiers: dict, fallback_capacity: int) -> dict[str, float]:
+    """The yardsticks printed beside a replay: LRU and Belady at the first
+    (CPU) tier's capacity and, when there are lower tiers of known capacity,
+    also at all tiers' capacity together (one cache as large as the tiers:
+    what a tiered run should be held to, an upper bound for any hierarchy)."""
+    leaves = [t for t in tiers.values() if not t.get("composite")]
+    caps = [t["gauges"].get("capacity_blocks") for t in leaves]
+    cap = int(caps[0] if caps and caps[0] else fallback_capacity)
+    out = {"capacity_blocks": cap, "lru": simulate(requests, cap, "lru").hit_rate,
+           "belady": simulate(requests, cap, "belady").hit_rate}
+    if len(leaves) > 1 and all(caps):
+        total = int(sum(caps))
+        out.update(all_tiers_capacity_blocks=total, all_tiers_lru=simulate(requests, total, "lru").hit_rate,
+                   all_tiers_belady=simulate(requests, total, "belady").hit_rate)
+    return out

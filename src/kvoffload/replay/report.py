@@ -9,6 +9,7 @@ from typing import Any
 
 from kvoffload.redact import redact
 from kvoffload.replay.engine import ReplayResult
+from kvoffload.stats import lookup_hit_rate
 
 
 def _rate(n: float, d: float) -> float:
@@ -65,19 +66,25 @@ def summary(r: ReplayResult) -> dict[str, Any]:
 
 
 def tier_rows(r: ReplayResult) -> dict[str, dict[str, Any]]:
-    """Per offload tier: its stats, and the share of prompt blocks it served.
+    """Per offload tier: its stats, and the share of prompt blocks it served
+    (its prefix hit rate: blocks it supplied / prompt block references).
 
-    Every load reaches the GPU from the CPU tier; a block that a lower tier
-    held is first promoted into CPU (its lookup answers HIT_PENDING). So the
-    CPU tier serves the blocks it answered HIT straight away, and the lower
-    tiers the ones that were pending first (split between several lower
-    tiers by how many blocks each read into CPU)."""
+    Every load reaches the GPU from the CPU tier; a block a lower tier held is
+    first promoted into CPU, often by look-ahead (the rest of a prefix after
+    one lower-tier hit), so a hit is credited to where the block was when the
+    request arrived: a block the CPU tier lacked then, and the engine did not
+    store since, was promoted (counter offload_hit_blocks_promoted). Promoted
+    blocks are split between several lower tiers by what each promoted.
+
+    Also each tier's lookup hit rate: hits / lookups of that tier's manager,
+    one lookup per block up to a request's first miss, so it is higher than
+    the prefix hit rate (the figure `kvoffload stats` shows)."""
     c = r.counters
     refs = c["block_refs"]
     leaves = {n: t for n, t in r.tiers.items() if not t.get("composite")}
     names = list(leaves)
-    promoted = c["offload_hit_blocks_after_pending"]
-    lower_reads = sum(leaves[n]["counters"].get("loaded_blocks", 0) for n in names[1:])
+    promoted = c.get("offload_hit_blocks_promoted", 0)
+    lower = sum(leaves[n]["counters"].get("promoted_blocks", 0) for n in names[1:])
     out = {}
     for name, t in leaves.items():
         tc = t["counters"]
@@ -85,15 +92,17 @@ def tier_rows(r: ReplayResult) -> dict[str, dict[str, Any]]:
             served = c["offload_hit_blocks"]
         elif name == names[0]:
             served = c["offload_hit_blocks"] - promoted
-        else:  # the promoted blocks, shared out by what each lower tier read
-            served = promoted * _rate(tc.get("loaded_blocks", 0), lower_reads)
+        else:
+            served = promoted * _rate(tc.get("promoted_blocks", 0), lower)
         out[name] = {
             "medium": t.get("medium"),
             "locality": t.get("locality"),
             "prefix_hit_rate": _rate(served, refs),
+            "served_blocks": served,
+            "lookup_hit_rate": lookup_hit_rate(tc),
             "capacity_blocks": t["gauges"].get("capacity_blocks"),
             **{k: tc[k] for k in ("lookups", "hits", "hits_pending", "stored_blocks", "loaded_blocks",
-                                  "evictions", "allocation_failures", "dropped_stores",
+                                  "promoted_blocks", "evictions", "allocation_failures", "dropped_stores",
                                   "checksum_failures") if k in tc},
         }
     return out
@@ -131,14 +140,20 @@ def _rows(r: ReplayResult) -> list[tuple[str, str]]:
         where = ", ".join(str(x) for x in (tier["medium"], tier["locality"]) if x)
         cap = tier["capacity_blocks"]
         rows.append((f"  tier {name} ({where})",
-                     f"hit rate {tier['prefix_hit_rate']:.4f}, capacity "
+                     f"prefix hit rate {tier['prefix_hit_rate']:.4f} (lookup hit rate "
+                     f"{tier['lookup_hit_rate']:.4f}), capacity "
                      f"{_fmt(int(cap)) + ' blocks' if cap else 'n/a'}, stored {_fmt(tier.get('stored_blocks', 0))}, "
                      f"evictions {_fmt(tier.get('evictions', 0))}"))
     if r.oracle:
-        cap = r.oracle.get("capacity_blocks")
-        rows.append((f"oracle at {_fmt(cap)} blocks",
-                     f"LRU {r.oracle['lru']:.4f}, Belady {r.oracle['belady']:.4f} "
+        o_ = r.oracle
+        scope = "CPU tier alone, " if "all_tiers_capacity_blocks" in o_ else ""
+        rows.append((f"oracle at {scope}{_fmt(o_.get('capacity_blocks'))} blocks",
+                     f"LRU {o_['lru']:.4f}, Belady {o_['belady']:.4f} "
                      f"({policy}: {s['offload_prefix_hit_rate']:.4f})"))
+        if "all_tiers_capacity_blocks" in o_:
+            rows.append((f"oracle at all tiers' capacity, {_fmt(o_['all_tiers_capacity_blocks'])} blocks",
+                         f"LRU {o_['all_tiers_lru']:.4f}, Belady {o_['all_tiers_belady']:.4f} "
+                         f"(one cache as large as the tiers together)"))
     rows += [
         ("bytes stored / loaded", f"{s['bytes_stored'] / 1e6:,.1f} MB / {s['bytes_loaded'] / 1e6:,.1f} MB"),
         ("transfer GB/s store / load", f"{s['store_GBps']:.2f} / {s['load_GBps']:.2f}"),
@@ -229,12 +244,12 @@ def plot_timeline(r: ReplayResult, path: str | Path) -> None:
         if refs <= 0:
             continue
         xs.append(b["requests"])
-        d = {k: b[k] - a[k] for k in ("gpu_hit_blocks", "offload_hit_blocks", "offload_hit_blocks_after_pending")}
+        d = {k: b[k] - a[k] for k in ("gpu_hit_blocks", "offload_hit_blocks", "offload_hit_blocks_promoted")}
         series["GPU cache"].append(d["gpu_hit_blocks"] / refs)
         series["offload (all tiers)"].append(d["offload_hit_blocks"] / refs)
         if multi:
-            series["CPU tier (direct)"].append((d["offload_hit_blocks"] - d["offload_hit_blocks_after_pending"]) / refs)
-            series["lower tiers (promoted)"].append(d["offload_hit_blocks_after_pending"] / refs)
+            series["CPU tier (direct)"].append((d["offload_hit_blocks"] - d["offload_hit_blocks_promoted"]) / refs)
+            series["lower tiers (promoted)"].append(d["offload_hit_blocks_promoted"] / refs)
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for label, ys in series.items():
         ax.plot(xs, ys, label=label)
