@@ -121,8 +121,8 @@ def test_bad_hints_become_a_declared_prometheus_counter():
 
     assert PREFIX + "bad_request_hints" in build_metric_definitions()  # declared: vLLM exports only those
     m = CPUOffloadingManager(4)
-    for i, params in enumerate([{"kv_retention": "forever"}, {"kv_retention": "low"}, "x"]):
+    for i, params in enumerate([{"kv_retention": "forever"}, {"kv_retention": "low"}, "x", "", {}, None]):
         m.on_new_request(ReqContext(f"r{i}", params))
     prom = PrometheusMetrics()
     prom.record_stats(m.get_stats())
-    assert 'kvoffload_bad_request_hints_total{locality="LOCAL",medium="CPU",tier="cpu"} 2.0' in prom.text()
+    assert 'kvoffload_bad_request_hints_total{locality="LOCAL",medium="CPU",tier="cpu"} 3.0' in prom.text()

@@ -90,7 +90,7 @@ def low_retention(ctx: ReqContext | None, count: Callable[[int], None] | None = 
     evicted first and refreshes nothing it reads, so shared heads keep the
     recency other requests gave them. Never raises: an invalid hint is
     ignored (kvoffload.hints); count(n) counts it if this call parses it."""
-    if ctx is None or not ctx.kv_transfer_params:
+    if ctx is None or ctx.kv_transfer_params is None:  # most requests: no parse, no state
         return False
     return request_hints(ctx, count).low_retention
 
