@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
 from kvoffload.config import ConfigError, check_known_keys, parse_bytes, positive_int, positive_number
@@ -48,6 +48,7 @@ class RemoteConfig:
     mac_key_file: str | None = None
     mac_key_env: str | None = None
     mac_algorithm: str = "blake2b"  # blake2b (stdlib) or blake3 (pip blake3; several times faster)
+    section: ClassVar[str] = "remote"  # how messages name these keys (the Mooncake tier reuses load_mac_key)
 
     def __post_init__(self):
         if not isinstance(self.url, str):
@@ -134,14 +135,14 @@ class RemoteConfig:
         import hashlib
 
         if self.mac_key_file is not None:
-            where = f"remote.mac_key_file {self.mac_key_file!r}"
+            where = f"{self.section}.mac_key_file {self.mac_key_file!r}"
             try:
                 with open(self.mac_key_file, "rb") as f:
                     secret = f.read().rstrip(b"\r\n")
             except OSError as e:
                 raise ConfigError(f"{where}: cannot read it ({e.strerror})") from None
         elif self.mac_key_env is not None:
-            where = f"remote.mac_key_env {self.mac_key_env!r}"
+            where = f"{self.section}.mac_key_env {self.mac_key_env!r}"
             value = os.environ.get(self.mac_key_env)
             if value is None:
                 raise ConfigError(f"{where}: the environment variable is not set")

@@ -45,6 +45,7 @@ HIT, MISS, HIT_PENDING, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResul
 class RemoteOffloadingManager(OffloadingManager):
     medium = Medium.CPU
     locality = Locality.REMOTE
+    checker_class = ExistenceChecker  # the Mooncake tier plugs its own batch-exists round
 
     def __init__(self, client, keyspace: KeySpace, cfg: RemoteConfig, state: SharedState,
                  name: str = "remote", enable_events: bool = False):
@@ -64,7 +65,7 @@ class RemoteOffloadingManager(OffloadingManager):
         # scheduler-thread counters (no lock); the worker's are in state.counters
         self._c: dict[str, float] = dict.fromkeys(
             ("lookups", "hits", "misses", "hits_pending", "retries", "lookup_timeouts"), 0)
-        self._checker = ExistenceChecker(client, keyspace, state, cfg.lookup_coalesce_s)
+        self._checker = self.checker_class(client, keyspace, state, cfg.lookup_coalesce_s)
         self._results, self._gone = self._checker.results, state.gone_keys
         self._n = 0
 

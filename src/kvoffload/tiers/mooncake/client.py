@@ -1,0 +1,80 @@
+"""Opening the Mooncake Store client, and what its return codes mean.
+
+The client (mooncake.store.MooncakeDistributedStore, a C++ extension)
+talks to the master for metadata and moves bytes with its transfer
+engine. Its RPC timeouts are process-wide environment variables read when
+a client is set up, so they are set from the config just before.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from urllib.parse import urlsplit
+
+from kvoffload.config import ConfigError
+from kvoffload.tiers.mooncake.config import MooncakeConfig, split_host_port
+
+log = logging.getLogger(__name__)
+
+# Mooncake ErrorCode values we act on (mooncake-store/include/types.h)
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+INVALID_PARAMS = -600  # e.g. the stored value is longer than the buffers given
+TRANSFER_FAIL = -800  # e.g. the stored value is shorter than the buffers given
+RPC_FAIL, RPC_TIMEOUT = -900, -901
+
+
+def network_failed(code: int) -> bool:
+    """True for the codes that mean 'the master could not be asked' (-9xx)."""
+    return -1000 < code <= RPC_FAIL
+
+
+def _reachable(host: str, port: int, timeout_s: float) -> str | None:
+    """None if a TCP connection opens, else why not (one line)."""
+    try:
+        socket.create_connection((host, port), timeout=timeout_s).close()
+        return None
+    except OSError as e:
+        return e.strerror or type(e).__name__
+
+
+def open_store(cfg: MooncakeConfig):
+    """A set-up MooncakeDistributedStore, or ConfigError (one line) naming
+    what could not be reached: unlike a Redis URL, the client cannot be
+    built against a master that is not there (and would retry for
+    minutes), so a bad address fails start-up clearly."""
+    try:
+        from mooncake.store import MooncakeDistributedStore
+    except ImportError as e:
+        raise ConfigError(f"mooncake tier needs the Mooncake client: pip install 'kvoffload[mooncake]' ({e})") from None
+    host, port = split_host_port(cfg.master_address, "mooncake.master_address")
+    why = _reachable(host, port, cfg.connect_timeout_s)
+    if why:
+        raise ConfigError(f"mooncake tier: master {cfg.master_address} unreachable ({why}); "
+                          f"check mooncake.master_address and that mooncake_master runs")
+    if cfg.metadata_server.startswith(("http://", "https://")):
+        u = urlsplit(cfg.metadata_server)
+        why = _reachable(u.hostname or "", u.port or (443 if u.scheme == "https" else 80), cfg.connect_timeout_s)
+        if why:
+            raise ConfigError(f"mooncake tier: metadata server {cfg.metadata_server} unreachable ({why}); "
+                              f"check mooncake.metadata_server (mooncake_master -enable_http_metadata_server)")
+    os.environ["MC_RPC_TIMEOUT_MS"] = str(max(1, int(cfg.rpc_timeout_s * 1000)))
+    os.environ["MC_RPC_CONNECT_TIMEOUT_MS"] = str(max(1, int(cfg.connect_timeout_s * 1000)))
+    os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "3")  # checked above; don't retry for minutes
+    store = MooncakeDistributedStore()
+    rc = store.setup(cfg.local_hostname, cfg.metadata_server, cfg.segment_bytes, cfg.local_buffer_bytes,
+                     cfg.protocol, cfg.device_names, cfg.master_address)
+    if rc != 0:
+        raise ConfigError(f"mooncake tier: client set-up against master {cfg.master_address} and metadata "
+                          f"{cfg.metadata_server} failed (code {rc}); see the Mooncake log lines above")
+    return store
+
+
+def replicate_config(cfg: MooncakeConfig):
+    from mooncake.store import ReplicateConfig
+
+    rc = ReplicateConfig()
+    rc.replica_num = cfg.replicas
+    return rc

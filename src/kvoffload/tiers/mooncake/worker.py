@@ -1,0 +1,161 @@
+"""Worker of the Mooncake tier: the Redis tier's job queue, threads and
+back-pressure (tiers/remote/worker.py), with transfers done by the
+Mooncake client's batched zero-copy calls.
+
+The host pool is registered with the client once, so a value goes out of
+and into its pool slot directly: each key is put from, and got into, two
+buffers, its 48-byte header (tiers/remote/value.py: binds the value to its
+full key, checksum, optional MAC) in a small registered per-thread buffer,
+and the chunk in its slot. No chunk is copied in Python; a load is checked
+(header, checksum, key, MAC) before it is reported done, and a bad value
+is a counted miss, removed from the store so the next store rewrites it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+
+from kvoffload.tiers.base import HostPool
+from kvoffload.tiers.mooncake.client import (
+    INVALID_PARAMS,
+    OBJECT_ALREADY_EXISTS,
+    OBJECT_NOT_FOUND,
+    TRANSFER_FAIL,
+    network_failed,
+    replicate_config,
+)
+from kvoffload.tiers.mooncake.config import MooncakeConfig
+from kvoffload.tiers.remote.state import SharedState
+from kvoffload.tiers.remote.value import BAD_MAC, CORRUPT, ERROR, HEADER_BYTES, MISSING, OK, WRONG_KEY, ValueCodec
+from kvoffload.tiers.remote.worker import RemoteTierWorker
+
+log = logging.getLogger(__name__)
+
+_DELETE = {CORRUPT: "checksum_failures", WRONG_KEY: "wrong_key_values", BAD_MAC: "mac_failures"}
+
+
+def _address(mm: mmap.mmap) -> int:
+    return ctypes.addressof(ctypes.c_char.from_buffer(mm))
+
+
+class _HeaderBuffer:
+    """Registered room for one round's headers, owned by one IO thread."""
+
+    def __init__(self, store, n: int):
+        self._store = store
+        self._mm = mmap.mmap(-1, max(n * HEADER_BYTES, mmap.PAGESIZE))
+        self.view = memoryview(self._mm)
+        self.addr = _address(self._mm)
+        if store.register_buffer(self.addr, len(self._mm)) != 0:
+            raise RuntimeError("mooncake: cannot register the header buffer")
+
+    def close(self) -> None:
+        self._store.unregister_buffer(self.addr)
+
+
+class MooncakeTierWorker(RemoteTierWorker):
+    def __init__(self, pool: HostPool, store, cfg: MooncakeConfig, state: SharedState, codec: ValueCodec):
+        self._base = pool.tensor.data_ptr()
+        rc = store.register_buffer(self._base, pool.nbytes)
+        if rc != 0:
+            raise RuntimeError(f"mooncake: cannot register the {pool.nbytes}-byte host pool (code {rc})")
+        self._per_round = max(1, cfg.batch_bytes // max(1, pool.used_chunk_bytes))
+        self._replicate = replicate_config(cfg)
+        super().__init__(pool, store, cfg, state, codec)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if not any(t.is_alive() for t in self._threads):  # a thread stuck in a call may still use it
+            self._client.unregister_buffer(self._base)
+
+    def _transfer(self, conns: dict, is_store: bool, slots: list[int], spec) -> bool:
+        # conns: this IO thread's own things (here its header buffer); closed when the thread ends
+        c = self._state.counters
+        backoff = self._state.backoff
+        if not slots:
+            return True
+        failed = "store_failures" if is_store else "load_failures"
+        if not backoff.available():
+            c.add(failed, len(slots))
+            return False
+        hb = conns.get("headers") or conns.setdefault("headers", _HeaderBuffer(self._client, self._per_round))
+        ok, n = True, self._per_round
+        for i in range(0, len(slots), n):
+            part = slice(i, i + n)
+            args = (hb, slots[part], spec.redis_keys[part])
+            good = self._put(*args) if is_store else self._get(*args, spec.keys[part])
+            if good is None:  # the master could not be asked: the rest would fail too
+                backoff.failed()
+                c.add(failed, len(slots) - i)
+                return False
+            ok = ok and good
+        backoff.succeeded()
+        return ok
+
+    def _pointers(self, hb: _HeaderBuffer, slots: list[int]) -> list[list[int]]:
+        base, cb, haddr = self._base, self.pool.chunk_bytes, hb.addr
+        return [[haddr + j * HEADER_BYTES, base + s * cb] for j, s in enumerate(slots)]
+
+    def _put(self, hb: _HeaderBuffer, slots: list[int], keys: list[str]) -> bool | None:
+        payload, codec, view, chunk = self.payload_bytes, self._codec, hb.view, self.pool.chunk_memoryview
+        for j, (s, k) in enumerate(zip(slots, keys)):
+            view[j * HEADER_BYTES : (j + 1) * HEADER_BYTES] = codec.header(k.encode(), chunk(s)[:payload])
+        codes = self._client.batch_put_from_multi_buffers(
+            keys, self._pointers(hb, slots), [[HEADER_BYTES, payload]] * len(keys), self._replicate)
+        if any(network_failed(x) for x in codes):
+            return None
+        n_ok = sum(x == 0 or x == OBJECT_ALREADY_EXISTS for x in codes)  # already there: another engine stored it
+        c = self._state.counters
+        c.add("stored_bytes", n_ok * payload)
+        if n_ok < len(keys):  # e.g. the store is full (NO_AVAILABLE_HANDLE)
+            c.add("store_failures", len(keys) - n_ok)
+            log.debug("mooncake put: codes %s", sorted(set(codes)))
+        return n_ok == len(keys)
+
+    def _get(self, hb: _HeaderBuffer, slots: list[int], keys: list[str], offload_keys: list[bytes]) -> bool | None:
+        payload, codec, view, chunk = self.payload_bytes, self._codec, hb.view, self.pool.chunk_memoryview
+        want = HEADER_BYTES + payload
+        codes = self._client.batch_get_into_multi_buffers(
+            keys, self._pointers(hb, slots), [[HEADER_BYTES, payload]] * len(keys))
+        if any(network_failed(x) for x in codes):
+            return None
+        status = []
+        for j, (s, k, code) in enumerate(zip(slots, keys, codes)):
+            if code == want:
+                header = view[j * HEADER_BYTES : (j + 1) * HEADER_BYTES]
+                data = chunk(s)[:payload]
+                status.append(codec.verify(k.encode(), header, data) if codec.shape_ok(header, payload)
+                              else CORRUPT)
+            elif code == OBJECT_NOT_FOUND:
+                status.append(MISSING)
+            elif code >= 0 or code == INVALID_PARAMS or (code == TRANSFER_FAIL and self._wrong_size(k, want)):
+                status.append(CORRUPT)  # a value of another length: not ours
+            else:
+                status.append(ERROR)
+        n_ok = status.count(OK)
+        c = self._state.counters
+        c.add("loaded_blocks", n_ok)
+        c.add("loaded_bytes", n_ok * payload)
+        if n_ok == len(keys):
+            return True
+        for i, s in enumerate(status):
+            if s != OK:
+                self._state.gone_keys.append(offload_keys[i])
+            if s in _DELETE:
+                c.add(_DELETE[s])
+        c.add("load_misses", status.count(MISSING))
+        c.add("load_failures", len(keys) - n_ok)
+        corrupt = [keys[i] for i, s in enumerate(status) if s in _DELETE]
+        if corrupt:  # force: a lease from our own get must not keep it
+            try:
+                self._client.batch_remove(corrupt, True)
+            except Exception as e:  # noqa: BLE001 - best effort; it stays a counted miss
+                log.debug("mooncake: removing bad values failed: %s", e)
+        return False
+
+    def _wrong_size(self, key: str, want: int) -> bool:
+        # TRANSFER_FAIL is also what a shorter value gives: ask its size (error path only)
+        size = self._client.get_size(key)
+        return size >= 0 and size != want
