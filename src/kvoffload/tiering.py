@@ -65,6 +65,7 @@ _DONE = object()  # in a ReqContext's scratch state: its children heard on_reque
 _TIER_TYPES: dict[str, str] = {
     "storage": "kvoffload.tiers.storage.tier:StorageTier",
     "redis": "kvoffload.tiers.remote.tier:RemoteTier",
+    "mooncake": "kvoffload.tiers.mooncake.tier:MooncakeTier",
 }
 
 # keys of a secondary_tiers entry that the composing manager reads itself
@@ -586,7 +587,8 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
         caches: "agnostic" for canonical pages, else one per TP rank)
       tp_rank, tp_size             (CPU spec keys) also pick the namespace's parallel_layout
       storage_dir, storage_bytes   shorthand for one more storage tier
-      remote_url                   shorthand for one more remote ("redis") tier
+      remote_url                   shorthand for one more remote tier ("mooncake" for a
+                                   mooncake://HOST:PORT url, else "redis")
 
     The tiers are opened (directories checked, indexes read) as soon as the
     chunk size is known: at construction when kv_bytes_per_chunk /
@@ -610,8 +612,10 @@ class TieredOffloadingSpec(CPUOffloadingSpec):
                 raise ConfigError("storage_dir and storage_bytes go together (a directory and its capacity)")
             confs.append({"type": "storage", "path": extra["storage_dir"],
                           "capacity_bytes": extra["storage_bytes"]})
-        if extra.get("remote_url"):
-            confs.append({"type": "redis", "url": extra["remote_url"]})
+        if extra.get("remote_url"):  # the scheme picks the tier type: mooncake://, else Redis
+            url = extra["remote_url"]
+            kind = "mooncake" if isinstance(url, str) and url.startswith("mooncake://") else "redis"
+            confs.append({"type": kind, "url": url})
         for i, conf in enumerate(confs):
             if not isinstance(conf, dict):
                 raise ConfigError(f"secondary_tiers[{i}] must be a mapping, got {redact(conf)!r}")
