@@ -81,7 +81,11 @@ def test_non_utf8_trace_names_the_line(tmp_path, capsys):
 
 
 def test_trace_that_is_a_directory(tmp_path, capsys):
-    assert one_line(capsys, replay(tmp_path)) == f"kvoffload replay: cannot read trace {tmp_path}: Is a directory"
+    # a directory is read as agentic traces (replay/agentic.py); one without any is named
+    assert one_line(capsys, replay(tmp_path)) == \
+        f"kvoffload replay: {tmp_path}: no *.json agentic traces in this directory"
+    assert one_line(capsys, replay(tmp_path, "--format", "mooncake")) == \
+        f"kvoffload replay: cannot read trace {tmp_path}: Is a directory"
 
 
 @pytest.mark.parametrize("options, message", [
@@ -97,6 +101,7 @@ def test_trace_that_is_a_directory(tmp_path, capsys):
     (["--sweep", ","], "--sweep ',' names no capacity (e.g. 1%,5%,1000)"),
     (["--hold", "-1"], "--hold must be a finite number >= 0, got -1.0"),
     (["--hold", "nan"], "--hold must be a finite number >= 0, got nan"),
+    (["--hold", "1e300"], "--hold must be at most 31536000 seconds (a year), got 1e+300"),
     (["--prefill-tokens-per-s", "inf"], "--prefill-tokens-per-s must be a finite number > 0, got inf"),
     (["--time-compression", "inf"], "--time-compression must be a finite number > 0, got inf"),
     (["--kv-bytes-per-token", "0"], "--kv-bytes-per-token must be positive, got 0"),

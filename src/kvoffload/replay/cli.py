@@ -32,11 +32,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                     "simulated engine driving a real OffloadingSpec, with real byte copies checked "
                     "byte for byte.")
     t = p.add_argument_group("workload")
-    t.add_argument("trace", nargs="?", help="JSONL trace; omit for the embedded chat workload")
+    t.add_argument("trace", nargs="?", help="JSONL trace, or an agentic trace (kv-cache-tester JSON) file or "
+                   "directory; omit for the embedded chat workload")
     t.add_argument("--format", default="auto", choices=("auto",) + FORMATS)
     t.add_argument("--block-size", type=int, help="tokens per block (default: the format's: "
-                   "mooncake 512, bailian 16, tokens 16, generated chat 64)")
+                   "mooncake 512, bailian 16, tokens 16, agentic 64, generated chat 64)")
     t.add_argument("--limit", type=int, help="replay only the first N requests")
+    t.add_argument("--stagger", type=float, metavar="SECONDS",
+                   help="agentic traces: seconds between the conversations' starts, in file-name order "
+                        "(default 60); sets their interleaving, with --arrival asap too")
     t.add_argument("--seed", type=int, default=0, help="seed of the generated workload (default 0)")
     t.add_argument("--sessions", type=int, default=200, help="chat sessions of the generated workload (default 200)")
     t.add_argument("--hint-final-turns", action="store_true",
@@ -114,6 +118,9 @@ def one_line(e: BaseException) -> str:
     return redact_text(" ".join(msg.split()))
 
 
+HOLD_MAX_S = 365 * 86400
+
+
 def check_args(args) -> None:
     """Refuse bad option values before anything runs (ConfigError naming
     the option and the value)."""
@@ -122,8 +129,11 @@ def check_args(args) -> None:
             need = f"a finite number {'>=' if low_ok else '>'} {low:g}"
             raise ConfigError(f"--{name.replace('_', '-')} must be {need}, got {value!r}")
     finite("hold", args.hold, 0, True)
+    if args.hold > HOLD_MAX_S:  # time.sleep overflows past time_t
+        raise ConfigError(f"--hold must be at most {HOLD_MAX_S} seconds (a year), got {args.hold!r}")
     finite("prefill_tokens_per_s", args.prefill_tokens_per_s, 0, False)
     finite("time_compression", args.time_compression, 0, False)
+    finite("stagger", args.stagger, 0, True)
     for name in ("kv_bytes_per_token", "max_running", "sessions"):
         value = getattr(args, name)
         if value is not None and value <= 0:
@@ -209,7 +219,7 @@ def _load(args) -> Trace:
 
 def _load_requests(args) -> Trace:
     if args.trace:
-        return load_trace(args.trace, args.format, args.block_size, args.limit)
+        return load_trace(args.trace, args.format, args.block_size, args.limit, stagger_s=args.stagger)
     from kvoffload.replay.generator import generate_chat
 
     if args.sessions <= 0 or (args.block_size is not None and args.block_size <= 0):

@@ -3,12 +3,14 @@
 A request is reduced to what a prefix cache sees: its arrival time, its
 token counts and one 64-bit hash per prompt block, prefix-chained (equal
 hashes mean an equal prefix up to and including that block). Three formats
-load from JSONL, one object per line:
+load from JSONL, one object per line (and kv-cache-tester's agentic JSON
+documents, a file or a directory of them: replay/agentic.py):
 
 - mooncake: timestamp (ms), input_length, output_length, hash_ids
   (512-token blocks, as in Mooncake's FAST'25 traces)
-- bailian:  chat_id, parent_chat_id, turn, type, timestamp (s),
-  input_length, output_length, hash_ids (16-token blocks, Alibaba Bailian)
+- bailian:  chat_id, parent_chat_id (the previous turn's chat, -1 at a
+  session's first), turn, type, timestamp (s), input_length, output_length,
+  hash_ids (16-token blocks, Alibaba Bailian)
 - tokens:   prompt (a list of token ids), optional timestamp (ms) and
   output_length; hashed here with a prefix-chained hash of full blocks
 
@@ -25,8 +27,8 @@ from pathlib import Path
 import numpy as np
 
 MASK64 = (1 << 64) - 1
-FORMATS = ("mooncake", "bailian", "tokens")
-DEFAULT_BLOCK_SIZE = {"mooncake": 512, "bailian": 16, "tokens": 16}
+FORMATS = ("mooncake", "bailian", "tokens", "agentic")
+DEFAULT_BLOCK_SIZE = {"mooncake": 512, "bailian": 16, "tokens": 16, "agentic": 64}
 # Token counts past this are no request's (the largest int32, as engines
 # count positions); bigger ones would only overflow or exhaust memory later.
 MAX_TOKENS = 2**31 - 1
@@ -131,10 +133,13 @@ def _hash_ids(d: dict, path: Path, lineno: int, input_length: int, block_size: i
     for v in ids:
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise _fail(path, lineno, f"hash_ids must hold non-negative integers, got {v!r}")
+    # ceil: the partial tail block hashed too (Mooncake, Bailian); floor: full blocks only
+    # (kv-cache-tester's convention; the tail is simply not offloadable)
     need = -(-input_length // block_size)
-    if len(ids) != need:
+    if len(ids) not in (need, input_length // block_size):
         raise _fail(path, lineno, f"hash_ids has {len(ids)} entries but input_length={input_length} "
-                    f"needs ceil({input_length}/{block_size})={need} (wrong --block-size?)")
+                    f"needs ceil({input_length}/{block_size})={need} or, full blocks only, "
+                    f"floor={input_length // block_size} (wrong --block-size?)")
     return [mix64(v) for v in ids]
 
 
@@ -147,13 +152,20 @@ def detect_format(first: dict) -> str:
 
 
 def load_trace(path: str | Path, fmt: str = "auto", block_size: int | None = None,
-               limit: int | None = None) -> Trace:
-    """Read a JSONL trace; `limit` keeps only the first requests."""
+               limit: int | None = None, stagger_s: float | None = None) -> Trace:
+    """Read a JSONL trace, or an agentic trace file or directory (see
+    replay/agentic.py; `stagger_s` between its conversations' starts);
+    `limit` keeps only the first requests."""
     path = Path(path)
     if limit is not None and limit <= 0:
         raise TraceError(f"limit must be a positive number of requests, got {limit}")
     if fmt != "auto" and fmt not in FORMATS:
         raise TraceError(f"unknown trace format {fmt!r}; known: auto, {', '.join(FORMATS)}")
+    from kvoffload.replay import agentic
+
+    if fmt == "agentic" or fmt == "auto" and agentic.looks_agentic(path):
+        return agentic.load_agentic(path, block_size, limit, stagger_s)
+    roots: dict = {}  # bailian: chat_id -> the chat_id its session started with
     try:
         f = path.open("rb")  # decoded line by line, so a bad byte is named by its line
     except OSError as e:
@@ -184,7 +196,10 @@ def load_trace(path: str | Path, fmt: str = "auto", block_size: int | None = Non
                 if bs <= 0:
                     raise TraceError(f"block size must be positive, got {bs}")
                 trace = Trace(name=path.name, block_size=bs)
-            trace.requests.append(_parse(fmt, d, path, lineno, len(trace.requests), trace.block_size))
+            req = _parse(fmt, d, path, lineno, len(trace.requests), trace.block_size)
+            if fmt == "bailian":
+                req.session = _bailian_session(roots, d)
+            trace.requests.append(req)
     if trace is None or not trace.requests:
         raise TraceError(f"{path}: no requests in trace")
     return trace
@@ -227,7 +242,20 @@ def _parse(fmt: str, d: dict, path: Path, lineno: int, idx: int, bs: int) -> Req
             raise _fail(path, lineno, f"missing field {key!r}")
     chat = d["chat_id"]
     return Request(f"{idx}-{chat}", _num_field(d, "timestamp", path, lineno) * 1000.0, input_length,
-                   output_length, hashes, session=str(d.get("parent_chat_id", chat)))
+                   output_length, hashes)
+
+
+def _bailian_session(roots: dict, d: dict) -> str:
+    """Bailian's parent_chat_id names the previous turn's chat (-1 at a
+    session's first turn), so a session is the chain back to its root chat."""
+    chat, parent = d["chat_id"], d.get("parent_chat_id", -1)
+    root = chat if parent in (-1, None) else roots.get(_hashable(parent), parent)
+    roots[_hashable(chat)] = root
+    return str(root)
+
+
+def _hashable(v):
+    return v if isinstance(v, (int, str, float)) else json.dumps(v, sort_keys=True)
 
 
 def mark_final_turns(trace: Trace) -> int:
