@@ -111,3 +111,14 @@ def test_generator_is_seeded_and_multi_turn():
             # the next turn repeats the previous prompt and its answer
             assert nxt.block_hashes[: len(prev.block_hashes)] == prev.block_hashes
             assert nxt.block_hashes[len(prev.block_hashes):][: len(prev.decode_hashes)] == prev.decode_hashes
+
+
+def test_bailian_sessions_follow_parent_chat_ids_to_the_root(tmp_path):
+    """qwen-bailian-usagetraces-anon: parent_chat_id is the previous turn's
+    chat_id, -1 at a session's first turn."""
+    rows = [(1, -1), (2, -1), (3, 1), (4, 3), (5, 2), (6, 99)]  # (chat_id, parent_chat_id); 99 began before the trace
+    p = tmp_path / "b.jsonl"
+    p.write_text("".join(json.dumps({"chat_id": c, "parent_chat_id": par, "timestamp": i, "input_length": 16,
+                                     "output_length": 1, "type": "text", "turn": 1, "hash_ids": [c]}) + "\n"
+                         for i, (c, par) in enumerate(rows)))
+    assert [r.session for r in load_trace(p).requests] == ["1", "2", "1", "1", "2", "99"]
