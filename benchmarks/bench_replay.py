@@ -53,8 +53,9 @@ def main() -> None:
         sim_s = time.perf_counter() - t0
         opt = simulate(blocks, cap, "belady")
         for policy in args.policies.split(","):
+            # the legacy order: the trace README's semantics, comparable to the offline LRU
             opts = EngineOptions(extra_config={"num_cpu_chunks": cap, "eviction_policy": policy},
-                                 kv_bytes_per_token=args.kv_bytes_per_token)
+                                 kv_bytes_per_token=args.kv_bytes_per_token, order="legacy")
             r = replay(trace, opts)
             s = summary(r)
             rows.append(

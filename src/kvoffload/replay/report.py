@@ -47,6 +47,10 @@ def summary(r: ReplayResult) -> dict[str, Any]:
         "store_failures": int(c["store_failures"]),
         "verified_blocks": int(c["verified_blocks"]),
         "verify_failures": int(c["verify_failures"]),
+        "preemptions": int(c.get("preemptions", 0)),
+        "aborts": int(c.get("aborts", 0)),
+        "resets": int(c.get("resets", 0)),
+        "stale_completions": int(c.get("stale_completions", 0)),
         # Prefill the offload tiers spared, minus the time the loads took.
         "prefill_saved_s": c["offload_hit_tokens"] / prefill - load_s,
         "prefill_saved_by_gpu_cache_s": c["gpu_hit_tokens"] / prefill,
@@ -127,7 +131,8 @@ def _rows(r: ReplayResult) -> list[tuple[str, str]]:
         ("spec / policy", f"{o['spec']} / {policy}"),
         ("engine", f"GPU cache {o['gpu_blocks']:,} blocks, {o['max_running']} running, "
                    f"{o['block_size']}-token blocks of {o['page_bytes']:,} B, arrival {o['arrival']}"
-                   + (f" /{o['time_compression']:g}" if o["arrival"] == "trace" else "")),
+                   + (f" /{o['time_compression']:g}" if o["arrival"] == "trace" else "")
+                   + f", {o.get('order', 'legacy')} call order"),
         ("requests", _fmt(s["requests"])),
         ("prompt tokens", _fmt(s["prompt_tokens"])),
         ("  from GPU cache", f"{s['tokens_from_gpu_cache']:,}"),
@@ -163,6 +168,8 @@ def _rows(r: ReplayResult) -> list[tuple[str, str]]:
         ("allocation failures", f"{s['allocation_failures']:,}"),
         ("delayed lookups (timed out)", f"{s['delayed_lookups']:,} ({s['delay_timeouts']:,})"),
         ("load / store failures", f"{s['load_failures']:,} / {s['store_failures']:,}"),
+        ("preemptions / aborts / resets", f"{s['preemptions']:,} / {s['aborts']:,} / {s['resets']:,} "
+                                          f"({s['stale_completions']:,} completions dropped by resets)"),
         ("verified loaded blocks", f"{s['verified_blocks']:,} ({s['verify_failures']:,} MISMATCHED)"
          if s["verify_failures"] else f"{s['verified_blocks']:,} (all bytes match)"),
         (f"prefill saved @ {o['prefill_tokens_per_s']:,.0f} tok/s",
