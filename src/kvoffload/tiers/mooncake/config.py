@@ -126,6 +126,8 @@ class MooncakeConfig:
         if url is not None:
             d = {**cls.url_fields(url), **d}  # explicit keys win over the URL's
         for key in ("segment_bytes", "local_buffer_bytes", "batch_bytes", "max_queue_bytes"):
-            if key in d and not (key == "segment_bytes" and d[key] in (0, "0")):  # 0: lend no memory
+            if key == "segment_bytes" and d.get(key) in (0, "0"):  # 0: lend no memory
+                d[key] = 0
+            elif key in d:
                 d[key] = parse_bytes(d[key], f"mooncake.{key}")
         return cls(**d)

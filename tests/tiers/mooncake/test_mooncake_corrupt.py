@@ -1,0 +1,87 @@
+"""A value changed through Mooncake's own client (as a bug or another
+writer would) is a counted miss, removed, never served."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvoffload.abstractions import LookupResult
+from kvoffload.tiers.remote.value import HEADER_BYTES
+from mooncake_helpers import fill, keys_for, load, lookup, make_tier, store, wait_until
+
+
+@pytest.fixture(scope="module")
+def raw(mooncake):
+    """A plain Mooncake client of the test's own (no kvoffload code)."""
+    from mooncake.store import MooncakeDistributedStore
+
+    s = MooncakeDistributedStore()
+    assert s.setup("127.0.0.1", mooncake.metadata_server, 0, 32 << 20, "tcp", "", mooncake.master_address) == 0
+    yield s
+    s.close()
+
+
+def _replace(raw, key: str, value: bytes) -> None:
+    # a lease from a recent read blocks a plain remove for lease_ms: wait it out
+    wait_until(lambda: raw.remove(key, True) == 0 or raw.is_exist(key) == 0, "old value removed")
+    assert raw.put(key, value) == 0
+
+
+@pytest.mark.parametrize("how", ["flip_payload", "flip_header", "truncate", "foreign", "other_key"])
+def test_damaged_value_is_a_miss(mooncake, raw, prefix, how):
+    chunk = 8192
+    tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=8, chunk_bytes=chunk)
+    try:
+        keys = keys_for(3, seed=20)
+        fill(pool, range(3), seed=20)
+        assert store(m, w, keys, [0, 1, 2])
+        rkey = tier.keyspace.redis_key(keys[1])
+        good = raw.get(rkey)
+        assert len(good) == HEADER_BYTES + chunk
+        if how == "flip_payload":
+            v = bytearray(good)
+            v[HEADER_BYTES + 1000] ^= 0x40
+            bad = bytes(v)
+        elif how == "flip_header":
+            bad = b"KVOX" + good[4:]
+        elif how == "truncate":
+            bad = good[:-1]
+        elif how == "foreign":
+            bad = b"hello, not a KV chunk"
+        else:  # a valid value of another key, copied here
+            bad = raw.get(tier.keyspace.redis_key(keys[0]))
+        _replace(raw, rkey, bad)
+        assert lookup(m, keys[1]) is LookupResult.HIT  # still cached as present
+        pool.array[3:6] = 0
+        assert not load(m, w, keys, [3, 4, 5])  # the job fails: nothing half-promoted
+        c = m.get_stats().counters
+        bad_count = c.get("checksum_failures", 0) + c.get("wrong_key_values", 0)
+        assert bad_count == 1 and c["loaded_blocks"] == 2 and c["load_failures"] == 1
+        assert lookup(m, keys[1]) is LookupResult.MISS  # the worker told the manager
+        assert raw.is_exist(rkey) == 0  # removed: a later store rewrites it
+        assert load(m, w, [keys[0], keys[2]], [6, 7])
+        assert np.array_equal(pool.chunk(0), pool.chunk(6)) and np.array_equal(pool.chunk(2), pool.chunk(7))
+        assert store(m, w, [keys[1]], [1]) and load(m, w, [keys[1]], [5])  # rewritten, served again
+        assert np.array_equal(pool.chunk(1), pool.chunk(5))
+    finally:
+        tier.shutdown()
+
+
+def test_mac_refuses_a_value_without_it(mooncake, prefix, tmp_path, monkeypatch):
+    """With a shared secret, a value stored by a client without it is refused (BAD_MAC)."""
+    monkeypatch.setenv("KVO_MC_MAC", "a-secret-of-at-least-16-bytes")
+    plain, m1, w1, p1 = make_tier(mooncake, prefix, num_chunks=4, chunk_bytes=4096)
+    maced, m2, w2, p2 = make_tier(mooncake, prefix, num_chunks=4, chunk_bytes=4096, mac_key_env="KVO_MC_MAC")
+    try:
+        keys = keys_for(2, seed=5)
+        fill(p1, range(2), seed=5)
+        assert store(m1, w1, keys, [0, 1])
+        assert not load(m2, w2, keys, [2, 3])
+        assert m2.get_stats().counters["mac_failures"] == 2
+        fill(p2, range(2), seed=5)
+        assert store(m2, w2, keys, [0, 1]) and load(m2, w2, keys, [2, 3])
+        assert np.array_equal(p2.chunk(0), p2.chunk(2))
+    finally:
+        plain.shutdown()
+        maced.shutdown()

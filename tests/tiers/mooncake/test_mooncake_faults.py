@@ -1,0 +1,105 @@
+"""Outages and bad settings: a paused master delays a lookup by
+lookup_deadline_s only; a bad address or value at start-up is one clear
+line (ConfigError), never a traceback or a minutes-long retry loop."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvoffload.abstractions import LookupResult
+from kvoffload.cli import main
+from kvoffload.config import ConfigError
+from kvoffload.tiers.base import Namespace
+from kvoffload.tiers.mooncake import MooncakeConfig, MooncakeTier
+from kvoffload.tiers.remote.server import free_port
+from mooncake_helpers import fill, keys_for, lookup, make_tier, store, wait_until
+
+
+@pytest.mark.timeout(600)
+def test_paused_master_delays_a_lookup_by_the_deadline_only(fresh_mooncake, prefix):
+    srv = fresh_mooncake.start()
+    tier, m, w, pool = make_tier(srv, prefix, num_chunks=8, chunk_bytes=16 << 10, rpc_timeout_s=60.0,
+                                 lookup_deadline_s=0.2, lookup_cache_s=30.0, miss_cache_s=0.05)
+    try:
+        keys = keys_for(3, seed=33)
+        fill(pool, range(3), seed=33)
+        assert store(m, w, keys, [0, 1, 2])
+        m.reset_cache()
+        srv.pause_master()
+        try:
+            # lookup() gives up (fails the test) after 45 s, below the 60 s RPC timeout
+            assert lookup(m, keys[0]) is LookupResult.MISS
+            assert lookup(m, keys[1]) is LookupResult.MISS  # a new key does not queue behind the stuck check
+            assert srv.master.poll() is None  # still there, still stopped: the answers came without it
+            assert m.get_stats().counters["lookup_timeouts"] >= 2
+        finally:
+            srv.resume_master()
+        wait_until(lambda: lookup(m, keys[2]) is LookupResult.HIT, "a HIT after the master resumed")
+        assert lookup(m, keys[0]) is LookupResult.HIT
+    finally:
+        tier.shutdown()
+
+
+def _ns():
+    return Namespace(model="tiny", chunk_bytes=4096)
+
+
+def test_dead_master_at_start_is_one_clear_line(mooncake):
+    port = free_port()
+    with pytest.raises(ConfigError) as e:
+        MooncakeTier({"master_address": f"127.0.0.1:{port}", "metadata_server": mooncake.metadata_server}, _ns())
+    msg = str(e.value)
+    assert f"master 127.0.0.1:{port} unreachable" in msg and "mooncake.master_address" in msg and "\n" not in msg
+
+
+def test_dead_metadata_server_at_start_is_one_clear_line(mooncake):
+    url = f"http://127.0.0.1:{free_port()}/metadata"
+    with pytest.raises(ConfigError, match=f"metadata server {url} unreachable") as e:
+        MooncakeTier({"master_address": mooncake.master_address, "metadata_server": url}, _ns())
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("conf, match", [
+    ({"master_address": "127.0.0.1"}, "mooncake.master_address must be 'host:port'"),
+    ({"master_address": "127.0.0.1:0"}, "port in 1..65535"),
+    ({"metadata_server": "ftp://x"}, "mooncake.metadata_server"),
+    ({"protocol": "udp"}, "mooncake.protocol"),
+    ({"segment_bytes": -1}, "mooncake.segment_bytes"),
+    ({"segment_bytes": "lots"}, "mooncake.segment_bytes"),
+    ({"replicas": 0}, "mooncake.replicas"),
+    ({"lookup_deadline_s": 0.001}, "mooncake.lookup_deadline_s"),
+    ({"url": "redis://127.0.0.1:6379"}, "must be mooncake://HOST:PORT"),
+    ({"url": "mooncake://127.0.0.1:50051?metadata=http://x"}, "unknown key 'metadata'.*metadata_server"),
+    ({"url": "mooncake://127.0.0.1"}, "HOST:PORT"),
+    ({"mac_key_env": "KVO_UNSET_MAC_VAR"}, "mooncake.mac_key_env 'KVO_UNSET_MAC_VAR'"),
+    ({"masteraddress": "x"}, "unknown key 'masteraddress'.*master_address"),
+])
+def test_bad_config_names_the_key(conf, match, monkeypatch):
+    monkeypatch.delenv("KVO_UNSET_MAC_VAR", raising=False)
+    with pytest.raises(ConfigError, match=match):
+        MooncakeTier(conf, _ns())
+
+
+def test_url_gives_master_and_default_metadata():
+    cfg = MooncakeConfig.from_dict({"url": "mooncake://10.0.0.5:50051", "key_prefix": "k"})
+    assert (cfg.master_address, cfg.metadata_server) == ("10.0.0.5:50051", "http://10.0.0.5:8080/metadata")
+    cfg = MooncakeConfig.from_dict({"url": "mooncake://h:1?metadata_server=P2PHANDSHAKE&segment_bytes=1GiB"})
+    assert cfg.metadata_server == "P2PHANDSHAKE" and cfg.segment_bytes == 1 << 30
+
+
+def test_replay_cli_remote_url(mooncake, prefix, tmp_path, capsys):
+    js = tmp_path / "r.json"
+    url = f"{mooncake.url}&key_prefix={prefix}&segment_bytes=0"
+    rc = main(["replay", "--sessions", "4", "--no-progress", "--remote-url", url, "--json", str(js)])
+    assert rc == 0, capsys.readouterr().err
+    report = json.loads(js.read_text())
+    assert report["result"]["tiers"]["mooncake"]["counters"]["stored_blocks"] > 0
+    assert report["result"]["counters"]["verify_failures"] == 0
+
+
+def test_replay_cli_dead_master_is_one_line(capsys):
+    rc = main(["replay", "--sessions", "2", "--no-progress", "--remote-url", f"mooncake://127.0.0.1:{free_port()}"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "unreachable" in err and "Traceback" not in err

@@ -1,0 +1,91 @@
+"""The Mooncake tier against a real mooncake_master + store node: bytes
+come back exactly, lookups go RETRY -> HIT/MISS, namespaces and prefixes
+never mix, and another process's stores are hits here."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvoffload.abstractions import LookupResult
+from kvoffload.tiers.base import Namespace
+from kvoffload.tiers.mooncake import MooncakeTier
+from mooncake_helpers import CTX, PATIENT, expected, fill, keys_for, load, lookup, make_tier, store
+
+HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
+PROC = Path(__file__).with_name("mooncake_engine_proc.py")
+
+
+@pytest.mark.parametrize("chunk_bytes", [4096, 5000, 256 << 10])
+def test_round_trip_bit_exact(mooncake, prefix, chunk_bytes):
+    n = 12
+    tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=2 * n, chunk_bytes=chunk_bytes)
+    try:
+        keys = keys_for(n, seed=1)
+        assert m.lookup(keys[0], CTX) is RETRY  # never answered from the network on this thread
+        assert all(lookup(m, k) is MISS for k in keys)
+        fill(pool, range(n), seed=1)
+        assert store(m, w, keys, list(range(n)))
+        m.reset_cache()
+        assert all(lookup(m, k) is HIT for k in keys)
+        pool.array[n:] = 0
+        assert load(m, w, keys, list(range(n, 2 * n)))
+        for j in range(n):
+            assert np.array_equal(pool.chunk(n + j)[:chunk_bytes], expected(pool, 1, j))
+        c = m.get_stats().counters
+        assert c["loaded_blocks"] == n and c["stored_blocks"] == n and c.get("checksum_failures", 0) == 0
+    finally:
+        tier.shutdown()
+
+
+def test_tier_lending_its_own_memory(mooncake, prefix):
+    """segment_bytes > 0: this process's memory holds values too (the default deployment shape)."""
+    tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=8, segment_bytes=32 << 20)
+    try:
+        keys = keys_for(4, seed=2)
+        fill(pool, range(4), seed=2)
+        assert store(m, w, keys, [0, 1, 2, 3])
+        assert load(m, w, keys, [4, 5, 6, 7])
+        assert all(np.array_equal(pool.chunk(4 + j), pool.chunk(j)) for j in range(4))
+    finally:
+        tier.shutdown()
+
+
+def test_namespaces_and_prefixes_never_mix(mooncake, prefix):
+    tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=4)
+    other_ns = Namespace(model="other", dtype="bf16", layout="canon", block_size=16, chunk_bytes=pool.used_chunk_bytes)
+    other = MooncakeTier(mooncake.tier_config(key_prefix=prefix, segment_bytes=0, **PATIENT), other_ns)
+    other_prefix, m3, _, _ = make_tier(mooncake, prefix + "-x", num_chunks=4)
+    try:
+        keys = keys_for(3, seed=3)
+        fill(pool, range(3), seed=3)
+        assert store(m, w, keys, [0, 1, 2])
+        assert all(lookup(other.get_manager(), k) is MISS for k in keys)
+        assert all(lookup(m3, k) is MISS for k in keys)
+        assert all(lookup(m, k) is HIT for k in keys)
+    finally:
+        for t in (tier, other, other_prefix):
+            t.shutdown()
+
+
+def test_one_process_stores_another_hits(mooncake, prefix):
+    """Two engines (processes) share the store: what one stored and left behind, the other reads exactly."""
+    n, seed = 10, 77
+    tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=n)
+    try:
+        keys = keys_for(n, seed=seed)
+        assert all(lookup(m, k) is MISS for k in keys)
+        out = subprocess.run([sys.executable, str(PROC), mooncake.master_address, mooncake.metadata_server,
+                              prefix, str(seed), str(n)], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        m.reset_cache()
+        assert all(lookup(m, k) is HIT for k in keys)
+        assert load(m, w, keys, list(range(n)))
+        for j in range(n):
+            assert np.array_equal(pool.chunk(j)[: pool.used_chunk_bytes], expected(pool, seed, j))
+    finally:
+        tier.shutdown()
