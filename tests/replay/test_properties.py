@@ -59,3 +59,22 @@ def test_every_prompt_token_is_accounted_once(trace, gpu_blocks, max_running, or
     big = replay(trace, _opts(6, gpu_blocks=10_000))
     infinite = simulate([q.block_hashes for q in trace.requests], 10_000, "lru").prefix_hits
     assert (big.counters["gpu_hit_blocks"], big.counters["offload_hit_blocks"]) == (infinite, 0)
+
+
+@SETTINGS
+@given(traces(), st.data(), st.integers(1, 8), st.integers(0, 6), st.integers(1, 3), st.booleans())
+def test_vllm_order_with_preemption_aborts_and_resets_leaves_nothing_behind(
+        trace, data, cap, gpu_blocks, max_running, prompt_only):
+    # decode blocks, so requests run for several steps and can be preempted
+    trace.requests = [Request(q.req_id, q.arrival_ms, q.prompt_tokens, data.draw(st.integers(1, 12)),
+                              q.block_hashes) for q in trace.requests]
+    every = {k: data.draw(st.integers(0, 5), label=k) for k in ("preempt_every", "abort_every", "reset_every")}
+    r = replay(trace, EngineOptions(extra_config={"num_cpu_chunks": cap, "offload_prompt_only": prompt_only},
+                                    progress=False, order="vllm", gpu_blocks=gpu_blocks,
+                                    max_running=max_running, **every))
+    c = r.counters
+    assert c["requests"] == len(trace.requests)
+    assert c["gpu_hit_tokens"] + c["offload_hit_tokens"] + c["recomputed_tokens"] == c["prompt_tokens"]
+    assert c["verified_blocks"] == c["offload_hit_blocks"] and c["verify_failures"] == 0
+    gauges = r.tiers["cpu"]["gauges"]
+    assert gauges["pinned_blocks"] == 0 and gauges["pending_blocks"] == 0

@@ -66,6 +66,7 @@ def _check_end(result, gauges, stuck):
     assert c["verify_failures"] == 0 and c["verified_blocks"] == c["offload_hit_blocks"] > 0
     assert c["gpu_hit_tokens"] + c["offload_hit_tokens"] + c["recomputed_tokens"] == c["prompt_tokens"]
     assert gauges["pinned_blocks"] == 0 and gauges["pending_blocks"] == 0
+    assert gauges.get("fenced_blocks", 0) == 0  # slots a reset held back are free after on_reset_flushed
     assert not stuck, f"{len(stuck)} keys still answer HIT_PENDING after the run"
 
 
