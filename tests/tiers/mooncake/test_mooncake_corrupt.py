@@ -10,6 +10,8 @@ from kvoffload.abstractions import LookupResult
 from kvoffload.tiers.remote.value import HEADER_BYTES
 from mooncake_helpers import fill, keys_for, load, lookup, make_tier, store, wait_until
 
+pytestmark = pytest.mark.mooncake
+
 
 @pytest.fixture(scope="module")
 def raw(mooncake):

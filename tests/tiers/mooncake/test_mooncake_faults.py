@@ -16,6 +16,8 @@ from kvoffload.tiers.mooncake import MooncakeConfig, MooncakeTier
 from kvoffload.tiers.remote.server import free_port
 from mooncake_helpers import fill, keys_for, lookup, make_tier, store, wait_until
 
+pytestmark = pytest.mark.mooncake
+
 
 @pytest.mark.timeout(600)
 def test_paused_master_delays_a_lookup_by_the_deadline_only(fresh_mooncake, prefix):

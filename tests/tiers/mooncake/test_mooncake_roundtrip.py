@@ -16,6 +16,8 @@ from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.mooncake import MooncakeTier
 from mooncake_helpers import CTX, PATIENT, expected, fill, keys_for, load, lookup, make_tier, store
 
+pytestmark = pytest.mark.mooncake
+
 HIT, MISS, RETRY = LookupResult.HIT, LookupResult.MISS, LookupResult.RETRY
 PROC = Path(__file__).with_name("mooncake_engine_proc.py")
 

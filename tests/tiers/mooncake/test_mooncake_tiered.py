@@ -18,6 +18,8 @@ from kvoffload.replay.traces import Trace
 from kvoffload.spec import build_spec
 from mooncake_helpers import PATIENT
 
+pytestmark = pytest.mark.mooncake
+
 
 def _opts(srv, prefix: str, **tier) -> EngineOptions:
     # a deep tier queue: no cascade is dropped by back-pressure, so what the first engine computed is there
