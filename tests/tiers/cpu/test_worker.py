@@ -233,11 +233,15 @@ def test_duplicate_in_flight_job_id_refused(worker_factory, monkeypatch):
     w = worker_factory(kv, config([16]), 4)
     gate = threading.Event()
     real_copy = w._copy
-    monkeypatch.setattr(w, "_copy", lambda job: (gate.wait(10), real_copy(job)))
-    assert w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([0]))
-    assert not w.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([1]))
-    assert "already in flight" in w.last_error
-    gate.set()
+    # the copy waits for the gate however loaded the machine (a bounded wait
+    # could let job 1 finish before the duplicate is submitted)
+    monkeypatch.setattr(w, "_copy", lambda job: (gate.wait(), real_copy(job)))
+    try:
+        assert w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([0]))
+        assert not w.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([1]))
+        assert "already in flight" in w.last_error
+    finally:
+        gate.set()
     w.wait({1})
     assert [r.success for r in w.get_finished()] == [True]
 
