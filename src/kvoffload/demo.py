@@ -63,8 +63,8 @@ def _run(args) -> int:
     n = args.chunks_per_request
     num_blocks = 8 * n
     # the stand-in GPU KV caches and their copy (the CPU spec checks its own pool)
-    check_fits_in_memory(2 * args.layers * num_blocks * page,
-                         f"the demo's KV caches ({args.layers} layers x {num_blocks} blocks x --page-kib {args.page_kib})")
+    check_fits_in_memory(2 * args.layers * num_blocks * page, f"the demo's KV caches ({args.layers} layers x "
+                                                             f"{num_blocks} blocks x --page-kib {args.page_kib})")
     config = OffloadingConfig.from_dict({
         "groups": [{"tokens_per_block": TOKENS_PER_BLOCK}],
         "tokens_per_hash": TOKENS_PER_BLOCK,
