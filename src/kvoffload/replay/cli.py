@@ -56,7 +56,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--storage-dir", help="storage tier directory (storage_dir; needs a spec with a "
                    "storage tier, e.g. tiered)")
     s.add_argument("--storage-bytes", help="storage tier size (storage_bytes)")
-    s.add_argument("--remote-url", help="remote tier URL, e.g. redis://127.0.0.1:6379 (remote_url)")
+    s.add_argument("--remote-url", help="remote tier URL, e.g. redis://127.0.0.1:6379, or "
+                   "mooncake://MASTER_HOST:RPC_PORT for a Mooncake Store (remote_url)")
     s.add_argument("--offload-prompt-only", action=argparse.BooleanOptionalAction, default=None,
                    help="offload only prompt blocks (the spec's default: yes)")
     s.add_argument("--extra", action="append", default=[], metavar="KEY=VALUE",
