@@ -2,7 +2,8 @@
 pool over a real storage tier on files) driven in vLLM's order.
 
 The engine side is modelled: store and load jobs it submits complete later
-(or fail, or never: a reset drops them), requests finish before their last
+(or fail, or never: a reset drops them), chunks on disk get corrupted (the
+promotion reading one fails), requests finish before their last
 stores complete, a reset's dropped stores may still write their slots
 ("late DMA") until on_reset_flushed(). Checked after every step:
   - every slot is held by a key, free, or fenced by a reset, exactly once;
@@ -19,6 +20,8 @@ pending, fenced, queued, left per request, or answers HIT_PENDING.
 
 from __future__ import annotations
 
+import mmap
+import os
 import shutil
 import tempfile
 from collections import Counter
@@ -37,7 +40,7 @@ from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 from kvoffload.tiers.storage.tier import StorageTier
 
 CHUNK = 4096
-CPU_CHUNKS = 6
+CPU_CHUNKS = 5
 NS = Namespace(model="m", dtype="f16", layout="t", block_size=16, chunk_bytes=CHUNK)
 END = ScheduleEndContext((), ())
 KEYS = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(10)]
@@ -69,6 +72,7 @@ class TieringMachine(RuleBasedStateMachine):
         self.dropped_slots: list[int] = []  # slots of stores a reset dropped, until flushed
         self.fenced = 0
         self.next_req = 0
+        self.cursor: dict[str, int] = {}  # request -> its next chunk to store
 
     def _spy_child(self) -> None:
         child = self.tier.manager
@@ -88,7 +92,7 @@ class TieringMachine(RuleBasedStateMachine):
     # ---- requests ---------------------------------------------------------
 
     @precondition(lambda self: len(self.running) < 4)
-    @rule(start=st.integers(0, len(KEYS) - 1))
+    @rule(start=st.sampled_from([0, 0, 4]))  # few prefixes: later requests find what earlier ones stored
     def new_request(self, start):
         ctx = ReqContext(f"r{self.next_req}")
         self.next_req += 1
@@ -102,6 +106,7 @@ class TieringMachine(RuleBasedStateMachine):
             return None
         return list(self.running.values())[i % len(self.running)]
 
+    @precondition(lambda self: self.running)
     @rule(i=picks)
     def finish_request(self, i):
         ctx = self._pick(i)
@@ -113,6 +118,7 @@ class TieringMachine(RuleBasedStateMachine):
 
     # ---- the engine's jobs -------------------------------------------------
 
+    @precondition(lambda self: self.running)
     @rule(i=picks, n=st.integers(1, 3))
     def lookup_and_load(self, i, n):
         """Lookups from the request's head; the HIT prefix is loaded."""
@@ -121,7 +127,7 @@ class TieringMachine(RuleBasedStateMachine):
             return
         order = sorted(KEYS, key=ctx.get_offload_key_position)
         hits = []
-        for k in order[:n + 2]:
+        for k in order:  # up to the first key that is not a HIT, as vLLM's scheduler
             r = self.mgr.lookup(k, ctx)
             if r is not HIT:
                 break
@@ -131,15 +137,32 @@ class TieringMachine(RuleBasedStateMachine):
             self.mgr.prepare_load(hits, ctx)
             self.loads.append((ctx, hits))
 
-    @rule(i=picks, at=st.integers(0, len(KEYS) - 1), n=st.integers(1, 3))
-    def store(self, i, at, n):
+    @precondition(lambda self: self.running)
+    @rule(i=picks, n=st.integers(1, 3), done=st.booleans())
+    def store(self, i, n, done):
+        """The request's next chunks, as vLLM stores a prefix as it computes it."""
         ctx = self._pick(i)
         if ctx is None:
             return
         order = sorted(KEYS, key=ctx.get_offload_key_position)
+        at = self.cursor.get(ctx.req_id, 0)
+        if at >= len(order):
+            return
+        self.cursor[ctx.req_id] = at + n
         out = self.mgr.prepare_store(order[at:at + n], ctx)
         if out is not None and out.keys_to_store:
             self.stores.append((ctx, list(out.keys_to_store), [int(s) for s in out.store_spec.block_ids]))
+            if done:  # a quick copy: completed at once
+                self.complete_store(len(self.stores) - 1, True)
+
+    @precondition(lambda self: self.running)
+    @rule(i=picks)
+    def prefill(self, i):
+        """The request's whole remaining prefix, two chunks a step, each copy
+        done at once, cascades landing in between: CPU fills and evicts."""
+        for _ in range(len(KEYS)):
+            self.store(i, 2, True)
+            self.schedule_end(True)
 
     @precondition(lambda self: self.stores)
     @rule(i=picks, success=st.booleans())
@@ -156,23 +179,41 @@ class TieringMachine(RuleBasedStateMachine):
         ctx, keys = self.loads.pop(i % len(self.loads))
         self.mgr.complete_load(set(keys), ctx)
 
-    @rule()
-    def schedule_end(self):
+    @rule(wait=st.booleans())
+    def schedule_end(self, wait):
         self.mgr.on_schedule_end(END)
+        if wait:  # and let the secondary jobs land
+            self.mgr.wait_idle()
 
-    @rule()
     def settle(self):
-        self.mgr.on_schedule_end(END)
-        self.mgr.wait_idle()
+        self.schedule_end(True)
+
+    @rule(i=picks)
+    def corrupt_a_stored_chunk(self, i):
+        """A fault on disk: the promotion reading it fails (checksum), its
+        CPU slot must never become readable."""
+        sm = self.tier.manager
+        settled = sorted(k for k in sm._slot_of if k not in sm._writing)
+        if not settled:
+            return
+        fd, off = self.storage.store.locate(sm._slot_of[settled[i % len(settled)]])
+        junk = mmap.mmap(-1, CHUNK)  # page-aligned: the slab may be opened O_DIRECT
+        junk.write(b"\xee" * CHUNK)
+        os.pwritev(fd, [junk], off)
+        junk.close()
 
     # ---- resets ---------------------------------------------------------------
 
-    @rule()
-    def reset(self):
+    @precondition(lambda self: self.stores or self.loads or self.running)
+    @rule(now=st.integers(0, 5))
+    def reset(self, now):
+        if now:  # a reset is rare: most draws pass
+            return
         pinned = {k for _, keys in self.loads for k in keys}
         self.fenced += len(pinned) + sum(len(keys) for _, keys, _ in self.stores)
         self.dropped_slots += [s for _, _, slots in self.stores for s in slots]
         self.mgr.reset_cache()  # the engine drops its jobs: never completed
+        self.cursor.clear()  # vLLM re-offloads running requests from chunk 0
         self.stores.clear()
         self.loads.clear()
 
@@ -183,9 +224,13 @@ class TieringMachine(RuleBasedStateMachine):
         for s in self.dropped_slots:
             self.pool.chunk(s)[:] = 0xAB
 
-    @rule()
-    def flushed(self):
-        self.late_write() if self.dropped_slots else None
+    @precondition(lambda self: self.fenced)
+    @rule(now=st.integers(0, 2))
+    def flushed(self, now=0):
+        if now:
+            return
+        if self.dropped_slots:
+            self.late_write()
         self.dropped_slots.clear()
         self.fenced = 0
         self.mgr.on_reset_flushed()
@@ -252,5 +297,5 @@ class TieringMachine(RuleBasedStateMachine):
 
 
 TestTieringManager = TieringMachine.TestCase
-TestTieringManager.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+TestTieringManager.settings = settings(max_examples=80, stateful_step_count=50, deadline=None,
                                        suppress_health_check=[HealthCheck.too_slow])
