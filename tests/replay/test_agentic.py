@@ -140,6 +140,8 @@ def test_stagger_shifts_conversation_starts_and_interleaving(tmp_path):
                           ("b:1", 230000.0)]
     with pytest.raises(TraceError, match="stagger must be a finite number"):
         load_trace(tmp_path, stagger_s=-1)
+    with pytest.raises(TraceError, match=r"b.json: requests\[0\]: arrival time overflows"):
+        load_trace(tmp_path, stagger_s=1e306)  # finite, but times 1000 ms it is not
 
 
 def test_directory_replays_end_to_end_with_byte_checks(agentic_dir, tmp_path, capsys):

@@ -165,7 +165,11 @@ class _Parser:
             for key in ("api_time", "think_time"):  # the pacing t records; checked, not needed
                 if key in d:
                     _num_field(d, key, self.f, at)
-            self.out.append(self._request(d, at, (self.start_s + base + t) * 1000.0, agent))
+            arrival_ms = (self.start_s + base + t) * 1000.0
+            if not math.isfinite(arrival_ms):  # finite parts, an infinite sum: the clock would never get there
+                raise TraceError(f"{self.f}: {at}: arrival time overflows ({self.start_s:g} s stagger "
+                                 f"+ {base:g} s + t={t:g} s)")
+            self.out.append(self._request(d, at, arrival_ms, agent))
 
     def _request(self, d: dict, at: str, arrival_ms: float, agent: str) -> Request:
         n_in = _int_field(d, "in", self.f, at)
