@@ -14,11 +14,13 @@ Two call orders (`order`):
   requests (schedule), on_schedule_end, prepare_store for the blocks computed
   this step and the final ones of requests that finished last step, then
   on_request_finished for those (build_connector_meta); then the model step;
-  then complete_load/complete_store for jobs submitted in earlier steps
-  (update_connector_output). No touch (vLLM never calls it): managers
-  record recency themselves. A request finishes while its stores are in
-  flight; its GPU blocks are freed at once and fenced: a store still
-  reading a block is waited for before the block is written again. Options:
+  then complete_load/complete_store for the jobs submitted the step before
+  (update_connector_output: every job lands exactly one step after its
+  submission, so a run does not depend on thread timing). No touch (vLLM
+  never calls it): managers record recency themselves. A request finishes
+  while its stores are in flight; its GPU blocks are freed at once and
+  fenced: a store still reading a block is waited for before the block is
+  written again. Options:
   preempt_every (the newest decoding request loses its GPU blocks and
   waits again; its stores are flushed), abort_every (every N-th request is
   aborted the step it is scheduled, loads in flight included), reset_every
@@ -27,7 +29,7 @@ Two call orders (`order`):
   store again from their first block, then on_reset_flushed if the manager
   has it).
 - "legacy": a request's stores complete before it finishes, and blocks are
-  touched at scheduling and finish. Deterministic: with no GPU cache and
+  touched at scheduling and finish. With no GPU cache and
   one request at a time (the defaults) this is exactly the reference
   semantics of the trace README, so the offload tier's prefix hit rate is
   comparable to its LRU/OPT table and to `kvoffload.replay.oracle`.
@@ -767,10 +769,17 @@ class ReplayEngine:
 
     def _poll(self) -> bool:
         t0 = time.perf_counter()
+        vllm = self.opts.order == "vllm"
+        if vllm:
+            # Every job submitted before this step completes in this step,
+            # never later: the run does not depend on the copy thread's speed.
+            step = self.c["steps"]
+            due = {j for j, s in self._job_step.items() if s < step}
+            if due:
+                self.worker.wait(due)
         results = self.worker.get_finished()
         self._worker_s += time.perf_counter() - t0
-        if self.opts.order == "vllm":  # completions reach the manager in a later step
-            step = self.c["steps"]
+        if vllm:  # completions reach the manager in a later step than their submission
             held, self._held = self._held, []
             self._held = [r for r in results if self._job_step.get(r.job_id) == step]
             results = held + [r for r in results if self._job_step.get(r.job_id) != step]
