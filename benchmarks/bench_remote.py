@@ -19,6 +19,15 @@
     .venv/bin/python benchmarks/bench_remote.py            # parts 1 and 2
     .venv/bin/python benchmarks/bench_remote.py --requests 12031 --plot docs/remote_bench.png
     .venv/bin/python benchmarks/bench_remote.py --skip-bandwidth --skip-replay --mac-cost
+    .venv/bin/python benchmarks/bench_remote.py --skip-replay --mooncake   # parts 1 and 4 side by side
+
+4. (--mooncake) The Mooncake Store tier (a real mooncake_master and a
+   mooncake_client store node on loopback, values held by the node): our
+   worker storing / loading host-pool chunks (registered pool, batched
+   zero-copy put/get of header + slot, header checked on load) as a ratio
+   of the Mooncake client's own batch_put_from / batch_get_into of the same
+   values from / into the same registered slots, in the same run and with
+   the same values per call; beside the Redis tier's rates from part 1.
 """
 
 from __future__ import annotations
@@ -66,6 +75,11 @@ def ours(url: str, pool: HostPool, n: int, batch_chunks: int, **tier_conf) -> di
     """GB/s of our worker storing then loading n chunks (jobs of batch_chunks)."""
     ns = Namespace(model="bench", chunk_bytes=pool.used_chunk_bytes)
     tier = RemoteTier({"url": url, "key_prefix": f"bench{time.monotonic_ns()}", **tier_conf}, ns)
+    return drive(tier, pool, n, batch_chunks)
+
+
+def drive(tier, pool: HostPool, n: int, batch_chunks: int) -> dict[str, float]:
+    """GB/s of a remote-kind tier's worker storing then loading n chunks (jobs of batch_chunks); shuts it down."""
     worker = tier.get_worker(pool)
     keys = [i.to_bytes(8, "big") + b"\0\0\0\0" for i in range(n)]
     rkeys = tier.keyspace.redis_keys(keys)
@@ -231,6 +245,81 @@ def print_mac_cost(rows: list[dict], pipeline: int, repeats: int) -> None:
                   f"| {r['load' + suffix]:.2f} | {r['load' + suffix] / r['load']:.2f} | {r[name]:.2f} |")
 
 
+# ---- 4. the Mooncake tier ---------------------------------------------------------------------
+
+def mooncake_reference(store, pool: HostPool, n: int, batch: int) -> dict[str, float]:
+    """GB/s of the Mooncake client's own batched zero-copy calls on the same
+    registered slots: batch_put_from, then batch_get_into (no header, no check)."""
+    base, cb, size = pool.tensor.data_ptr(), pool.chunk_bytes, pool.used_chunk_bytes
+    keys = [f"ref{time.monotonic_ns()}:{i}" for i in range(n)]
+    batches = [range(a, min(n, a + batch)) for a in range(0, n, batch)]
+    res = {}
+    for name in ("put", "get"):
+        t0 = time.perf_counter()
+        for idx in batches:
+            args = ([keys[i] for i in idx], [base + i * cb for i in idx], [size] * len(idx))
+            codes = store.batch_put_from(*args) if name == "put" else store.batch_get_into(*args)
+            assert all(c == (0 if name == "put" else size) for c in codes), f"mooncake {name}: {set(codes)}"
+        res[name] = n * size / (time.perf_counter() - t0) / 1e9
+    return res
+
+
+def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int) -> list[dict]:
+    from mooncake.store import MooncakeDistributedStore
+    from tqdm import tqdm
+
+    from kvoffload.tiers.mooncake import MooncakeTier
+    from kvoffload.tiers.mooncake.server import LocalMooncake
+
+    rows = []
+    with LocalMooncake(store_bytes=max(1 << 30, 3 * total)) as srv:
+        print(f"mooncake: master {srv.master_address}, store node lending {max(1 << 30, 3 * total) >> 20} MiB")
+        ref = MooncakeDistributedStore()  # a plain client, set up as our tier sets its own up
+        assert ref.setup("127.0.0.1", srv.metadata_server, 0, 16 << 20, "tcp", "", srv.master_address) == 0
+        bar = tqdm(total=len(sizes) * repeats, desc="mooncake bandwidth", unit="run")
+        for size in sizes:
+            n = max(batch, total // size)
+            pool = HostPool(n, size)
+            pool.array[:] = np.random.default_rng(size).integers(0, 256, pool.array.shape, dtype=np.uint8)
+            before = pool.array.copy()
+            assert ref.register_buffer(pool.tensor.data_ptr(), pool.nbytes) == 0
+            runs = {"mc_put": [], "mc_get": [], "store": [], "load": []}
+            for _ in range(repeats):  # alternate, so drift in the machine hits both alike
+                r = mooncake_reference(ref, pool, n, batch)
+                assert np.array_equal(pool.array, before), "mooncake reference: loaded bytes differ"
+                ref.remove_all(True)
+                ns = Namespace(model="bench", chunk_bytes=pool.used_chunk_bytes)
+                tier = MooncakeTier(srv.tier_config(key_prefix=f"bench{time.monotonic_ns()}", segment_bytes=0,
+                                                    batch_bytes=batch * size), ns)
+                o = drive(tier, pool, n, batch)
+                assert np.array_equal(pool.array, before), "mooncake tier: loaded bytes differ"
+                ref.remove_all(True)
+                for k, v in (("mc_put", r["put"]), ("mc_get", r["get"]), ("store", o["store"]),
+                             ("load", o["load"])):
+                    runs[k].append(v)
+                bar.update()
+            ref.unregister_buffer(pool.tensor.data_ptr())
+            pool.close()
+            rows.append({"size": size, "n": n, **{k: statistics.median(v) for k, v in runs.items()}})
+        bar.close()
+        ref.close()
+    return rows
+
+
+def print_mooncake(rows: list[dict], batch: int, redis_rows: list[dict] | None) -> None:
+    redis_by_size = {r["size"]: r for r in redis_rows or []}
+    print(f"\nMooncake tier, GB/s (median; values held by a store node over loopback TCP, {batch} values per "
+          f"batched call)")
+    print("| value | Mooncake batch_put_from | ours store | ratio | Mooncake batch_get_into | ours load | ratio "
+          "| Redis tier store / load |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        rr = redis_by_size.get(r["size"])
+        redis = f"{rr['store']:.2f} / {rr['load']:.2f}" if rr else "n/a"
+        print(f"| {r['size'] >> 10} KiB | {r['mc_put']:.2f} | {r['store']:.2f} | {r['store'] / r['mc_put']:.2f} "
+              f"| {r['mc_get']:.2f} | {r['load']:.2f} | {r['load'] / r['mc_get']:.2f} | {redis} |")
+
+
 # ---- 2. two engines sharing the tier -------------------------------------------------------
 
 def two_engines(url: str, trace_path: Path, requests: int, cpu_share: float, shared: bool,
@@ -370,10 +459,12 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-replay", action="store_true")
     ap.add_argument("--plot", help="write a PNG of the bandwidth table here")
     ap.add_argument("--mac-cost", action="store_true", help="also measure store / load with and without the MAC")
+    ap.add_argument("--mooncake", action="store_true", help="also measure the Mooncake tier (part 4)")
     args = ap.parse_args(argv)
     if find_benchmark_binary() is None and not args.skip_bandwidth:
         sys.exit("redis-benchmark not found (Debian: apt-get install redis-server)")
     sizes = [parse_bytes(s, "--sizes") for s in args.sizes.split(",")]
+    rows = None
     with LocalServer(maxmemory="3gb") as srv:
         print(f"server: {srv.binary} on 127.0.0.1:{srv.port}, no persistence, allkeys-lru")
         if not args.skip_bandwidth:
@@ -394,6 +485,9 @@ def main(argv=None) -> int:
                 sh = two_engines(srv.url, Path(args.trace), args.requests, args.cpu_share, True, conf)
                 bar.update()
             print_sharing(iso, sh, args.requests, infinite_cache_rates(Path(args.trace), args.requests))
+    if args.mooncake:
+        mc = mooncake_bandwidth(sizes, parse_bytes(args.total, "--total"), args.repeats, args.pipeline)
+        print_mooncake(mc, args.pipeline, rows)
     return 0
 
 
