@@ -4,8 +4,7 @@ T1 holds keys seen once, T2 keys seen again (touched, or re-stored soon
 after eviction). B1/B2 are ghosts: keys recently evicted from T1/T2, no
 data. A re-store of a B1 ghost says "recency list too short" and raises the
 target size p of T1; a B2 ghost lowers it. Eviction takes from T1 while it
-is larger than p, else from T2. In T1 a running request's stored keys keep
-prefix order across its batches (policies._grouped).
+is larger than p, else from T2.
 """
 
 from __future__ import annotations
@@ -14,7 +13,6 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 from kvoffload.abstractions import ReqContext
-from kvoffload.policies._grouped import GroupedOrder
 from kvoffload.policies.base import EvictionPolicy
 
 
@@ -38,16 +36,19 @@ class ARCPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        self.t1 = GroupedOrder()  # oldest first
+        self.t1: OrderedDict[bytes, None] = OrderedDict()  # oldest first
         self.t2: OrderedDict[bytes, None] = OrderedDict()
         self.b1: OrderedDict[bytes, None] = OrderedDict()
         self.b2: OrderedDict[bytes, None] = OrderedDict()
         self.p = 0.0  # target size of T1
 
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        t2, b1, b2 = self.t2, self.b1, self.b2
-        if not (len(keys) > 4 and b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys)):
-            fresh = []
+        t1, t2, b1, b2 = self.t1, self.t2, self.b1, self.b2
+        if len(keys) > 4 and b1.keys().isdisjoint(keys) and b2.keys().isdisjoint(keys):
+            # No ghost hit in a batch (C-level checks): all go to T1, tail oldest.
+            for k in reversed(keys):
+                t1[k] = None
+        else:
             for k in reversed(keys):
                 if k in b1:
                     self.p = min(self.p + max(1.0, len(b2) / len(b1)), float(self.capacity))
@@ -58,51 +59,27 @@ class ARCPolicy(EvictionPolicy):
                     del b2[k]
                     t2[k] = None
                 else:
-                    fresh.append(k)
-            keys = fresh[::-1]
-        # (No ghost hit: a batch passes the C-level checks above.) To T1, tail oldest.
-        t1 = self.t1
-        if ctx is not None and keys and keys[-1] in ctx._offload_key_positions:
-            # a request's keys (with positions, as vLLM gives): ranked with its earlier stores
-            t1.add_grouped(keys, self, ctx)
-        else:
-            order = t1.order
-            for k in reversed(keys):
-                order[k] = None
-            t1.n += len(keys)
+                    t1[k] = None
         self._trim_ghosts()
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         t1, t2 = self.t1, self.t2
-        pop1, ungroup1, move2 = t1.order.pop, t1.ungroup, t2.move_to_end
+        pop1, move2 = t1.pop, t2.move_to_end
         # Reversed, so the head ends up most recent in T2.
         for k in reversed(keys):
-            if pop1(k, _ABSENT) is _ABSENT and not ungroup1(k):
+            if pop1(k, _ABSENT) is _ABSENT:
                 try:
                     move2(k)
                 except KeyError:
                     pass
             else:
-                t1.n -= 1
                 t2[k] = None
 
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         # Re-rank within the key's own list: storing is not a second use.
         t1, t2 = self.t1, self.t2
-        order1, owner1 = t1.order, t1.owner
-        if owner1 and t1.ungroup_all(keys):  # a finished request's stores, at once
-            order1.update(dict.fromkeys(reversed(keys)))
-            return
-        move1, move2 = order1.move_to_end, t2.move_to_end
+        move1, move2 = t1.move_to_end, t2.move_to_end
         for k in reversed(keys):
-            group = owner1.pop(k, None)
-            if group is not None:  # a grouped key (a request's store): now ranked on its own
-                g = group.keys
-                del g[k]
-                if not g:
-                    del order1[group]
-                order1[k] = None
-                continue
             try:
                 move1(k)
             except KeyError:
@@ -110,7 +87,9 @@ class ARCPolicy(EvictionPolicy):
                     move2(k)
 
     def remove(self, key: bytes) -> None:
-        if not self.t1.remove(key):
+        if key in self.t1:
+            del self.t1[key]
+        else:
             self.t2.pop(key, None)
 
     def evict(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes] | None:
@@ -123,15 +102,17 @@ class ARCPolicy(EvictionPolicy):
         # larger than p, then from T2, then T1 again if T2 ran out; a list
         # with nothing evictable left hands over to the other. Plan first,
         # commit only if n victims were found (atomic).
-        from1 = t1.pick(min(n, len(t1) - int(self.p)), can_evict)
+        it1 = iter(t1)
+        from1 = _pick(it1, min(n, len(t1) - int(self.p)), can_evict)
         from2 = _pick(iter(t2), n - len(from1), can_evict)
-        if len(from1) + len(from2) < n:  # T1 again, past what it gave (a fresh scan)
-            from1 = t1.pick(n - len(from2), can_evict)
+        if len(from1) + len(from2) < n:
+            from1 += _pick(it1, n - len(from1) - len(from2), can_evict)
             if len(from1) + len(from2) < n:
                 return None
         b1, b2 = self.b1, self.b2
-        t1.remove_all(from1)
-        b1.update(dict.fromkeys(from1))
+        for k in from1:
+            del t1[k]
+            b1[k] = None
         for k in from2:
             del t2[k]
             b2[k] = None

@@ -1,13 +1,41 @@
-"""Least recently used: one OrderedDict, oldest first, in which a running
-request's stored keys keep prefix order (policies._grouped)."""
+"""Least recently used: one OrderedDict, oldest first.
+
+A running request keeps prefix order across its store batches, as vLLM
+0.33's LRU ranks it: its stored keys (those with positions) rank together,
+at its first store, tail first. Ranking each batch at its arrival would let
+a running request's later batches (its tail) outlive its first (its head):
+under pressure the head would go first and what it stored would become
+unreachable (a prefix is read from its head). So a key's value in the
+OrderedDict is the group of the running request that stored it (None
+once used, re-ranked, or stored outside a request): evict, reaching the
+oldest key of a live group, takes that group's keys tail first. When the
+request finishes, the manager's refresh re-ranks its keys and the group
+dies. Per key: one list entry in its group; no per-key objects. Batches are
+assumed to arrive head first (each continues the prefix).
+"""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable
 
 from kvoffload.abstractions import ReqContext
-from kvoffload.policies._grouped import GroupedOrder
 from kvoffload.policies.base import EvictionPolicy
+
+
+class _Group:
+    """A running request's stored keys, in store order (head first)."""
+
+    __slots__ = ("keys", "live")
+
+    def __init__(self):
+        self.keys: list[bytes] = []  # may list keys gone since: checked against the order
+        self.live = True
+
+    def __eq__(self, other: object) -> bool:  # same state (tests compare policy states)
+        return isinstance(other, _Group) and (self.keys, self.live) == (other.keys, other.live)
+
+    __hash__ = object.__hash__  # sets of groups: by identity
 
 
 class LRUPolicy(EvictionPolicy):
@@ -15,66 +43,94 @@ class LRUPolicy(EvictionPolicy):
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        self._keys = GroupedOrder()  # oldest first: keys, and groups of a request's keys
+        self._order: OrderedDict[bytes, _Group | None] = OrderedDict()  # oldest first
 
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        group = None
         if ctx is not None and keys and keys[-1] in ctx._offload_key_positions:
-            # a request's keys (with positions, as vLLM gives): ranked with its earlier stores, tail first
-            self._keys.add_grouped(keys, self, ctx)
-            return
+            state = ctx._state  # ReqContext's scratch dict, read directly (hot path)
+            group = state.get(self)
+            if group is None:
+                group = state[self] = _Group()
+            group.keys += keys
         # Reversed: the tail lands older than the head, so it goes first.
-        order = self._keys.order
+        order = self._order
         for k in reversed(keys):
-            order[k] = None  # the manager inserts only keys it does not hold
-        self._keys.n += len(keys)
+            order[k] = group  # the manager inserts only keys it does not hold
 
     def insert_cold(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        order = self._keys.order
+        order = self._order
         move = order.move_to_end
         for k in keys:  # head first to the old end: the tail ends up oldest
             order[k] = None
             move(k, last=False)
-        self._keys.n += len(keys)
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        order, owner = self._keys.order, self._keys.owner
-        if owner and self._keys.ungroup_all(keys):  # a finished request's stores, at once
-            order.update(dict.fromkeys(reversed(keys)))
-            return
+        order = self._order
         move = order.move_to_end
         for k in reversed(keys):
-            group = owner.pop(k, None)
-            if group is None:
-                try:
-                    move(k)
-                except KeyError:
-                    pass
-            else:  # a grouped key (a request's store): now ranked on its own
-                g = group.keys
-                del g[k]
-                if not g:
-                    del order[group]
+            try:
+                move(k)
+            except KeyError:
+                continue
+            if order[k] is not None:  # used: ranked on its own from now on
                 order[k] = None
 
-    refresh = touch  # recency is all LRU knows
+    def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        # The manager re-ranks a finished request's stores: its group dies.
+        if ctx is not None:
+            group = ctx._state.pop(self, None)
+            if group is not None:
+                group.live = False
+                group.keys = []
+        move = self._order.move_to_end
+        for k in reversed(keys):
+            try:
+                move(k)
+            except KeyError:
+                pass
 
     def remove(self, key: bytes) -> None:
-        self._keys.remove(key)
+        self._order.pop(key, None)
 
     def evict(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes] | None:
         if n <= 0:
             return []
-        keys = self._keys
-        if n > len(keys):
+        order = self._order
+        if n > len(order):
             return None
-        victims = keys.pick(n, can_evict)
-        if len(victims) < n:
+        victims: list[bytes] = []
+        drained = None  # live groups already taken tail first
+        for k, group in order.items():
+            if group is None or not group.live:
+                if can_evict(k):
+                    victims.append(k)
+                    if len(victims) == n:
+                        break
+                continue
+            if drained is None:
+                drained = set()
+            elif group in drained:
+                continue  # its evictable keys were taken when its oldest key came up
+            drained.add(group)
+            get = order.get
+            taken = set()  # a key evicted and stored again is listed twice
+            for k2 in reversed(group.keys):
+                if get(k2) is group and k2 not in taken and can_evict(k2):
+                    taken.add(k2)
+                    victims.append(k2)
+                    if len(victims) == n:
+                        break
+            if len(victims) == n:
+                break
+        else:
             return None
-        keys.remove_all(victims)
+        for k in victims:
+            del order[k]
         return victims
 
     def __len__(self) -> int:
-        return self._keys.n
+        return len(self._order)
 
     def __contains__(self, key: object) -> bool:
-        return key in self._keys
+        return key in self._order
