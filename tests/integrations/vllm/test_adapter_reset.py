@@ -42,3 +42,24 @@ def test_reset_fences_dropped_jobs_until_vllm_says_they_are_flushed():
     assert m.prepare_store([key(4), key(5), key(6)], n) is not None
     m.reset_cache()  # nothing in flight but those: still fenced until flushed
     m.on_request_finished(n)
+
+
+def test_a_pool_fenced_whole_by_a_reset_still_takes_stores():
+    """Every slot in flight at the reset: no later job could ever complete
+    to prove the flush on 0.32, so a store with no room releases them
+    (vLLM's worker runs the flushed jobs before any later one)."""
+    spec = KVOffloadingSpec(vllm_config({"num_cpu_chunks": 2}, engine_id="reset-full"))
+    m = spec.get_manager()
+    c = ctx("old")
+    m.on_new_request(c)
+    m.prepare_store([key(1), key(2)], c)
+    m.on_request_finished(c)
+    m.reset_cache()
+    n = ctx("new")
+    m.on_new_request(n)
+    if hasattr(vbase.OffloadingManager, "on_reset_flushed"):
+        assert m.prepare_store([key(3)], n) is None  # 0.33: until vLLM says the flush is done
+        m.on_reset_flushed()
+    out = m.prepare_store([key(3)], n)
+    assert out is not None and out.keys_to_store == [key(3)]
+    m.on_request_finished(n)

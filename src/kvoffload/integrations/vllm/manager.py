@@ -12,7 +12,9 @@ and hold their slots back until told the workers are done with them
 vLLM 0.32 has no such call, but its worker waits for every job in flight at
 a reset before it starts any job submitted after it; so here the first
 completion of any job after a reset means the flush is done (and if no
-slot was held back, no job was in flight: done at once).
+slot was held back, no job was in flight: done at once; and without a
+secondary tier, when a store finds no room, since only vLLM's own later
+jobs can then reuse the slots).
 """
 
 from __future__ import annotations
@@ -71,7 +73,16 @@ class VLLMOffloadingManager(vbase.OffloadingManager):
         self.inner.complete_load(keys, convert.req_context(req_context))
 
     def prepare_store(self, keys: Collection[bytes], req_context: Any) -> Any:
-        return convert.prepare_store_output(self.inner.prepare_store(keys, convert.req_context(req_context)))
+        ctx = convert.req_context(req_context)
+        out = self.inner.prepare_store(keys, ctx)
+        if out is None and self._flush_due and not getattr(self.inner, "tiers", None):
+            # 0.32, no room but slots fenced: no job may come to prove the
+            # flush. vLLM's worker runs the flushed jobs before any later
+            # one, so its own later jobs may reuse them (no tier of ours
+            # writes CPU slots here): release them and try again.
+            self._flushed()
+            out = self.inner.prepare_store(keys, ctx)
+        return convert.prepare_store_output(out)
 
     def complete_store(self, keys: Collection[bytes], req_context: Any, success: bool = True) -> None:
         if self._flush_due:
