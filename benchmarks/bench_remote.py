@@ -78,8 +78,8 @@ def ours(url: str, pool: HostPool, n: int, batch_chunks: int, **tier_conf) -> di
     return drive(tier, pool, n, batch_chunks)
 
 
-def drive(tier, pool: HostPool, n: int, batch_chunks: int) -> dict[str, float]:
-    """GB/s of a remote-kind tier's worker storing then loading n chunks (jobs of batch_chunks); shuts it down."""
+def drive(tier, pool: HostPool, n: int, batch_chunks: int, shutdown: bool = True) -> dict[str, float]:
+    """GB/s of a remote-kind tier's worker storing then loading n chunks (jobs of batch_chunks)."""
     worker = tier.get_worker(pool)
     keys = [i.to_bytes(8, "big") + b"\0\0\0\0" for i in range(n)]
     rkeys = tier.keyspace.redis_keys(keys)
@@ -98,7 +98,8 @@ def drive(tier, pool: HostPool, n: int, batch_chunks: int) -> dict[str, float]:
         done = worker.get_finished()
         assert all(r.success for r in done), f"{name}: {sum(not r.success for r in done)} jobs failed"
         res[name] = n * pool.used_chunk_bytes / dt / 1e9
-    tier.shutdown()
+    if shutdown:
+        tier.shutdown()
     return res
 
 
@@ -264,7 +265,7 @@ def mooncake_reference(store, pool: HostPool, n: int, batch: int) -> dict[str, f
     return res
 
 
-def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int) -> list[dict]:
+def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int, io_threads: int = 1) -> list[dict]:
     from mooncake.store import MooncakeDistributedStore
     from tqdm import tqdm
 
@@ -283,21 +284,27 @@ def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int) -
             pool.array[:] = np.random.default_rng(size).integers(0, 256, pool.array.shape, dtype=np.uint8)
             before = pool.array.copy()
             assert ref.register_buffer(pool.tensor.data_ptr(), pool.nbytes) == 0
+            ns = Namespace(model="bench", chunk_bytes=pool.used_chunk_bytes)
+            tier = MooncakeTier(srv.tier_config(key_prefix=f"bench{time.monotonic_ns()}", segment_bytes=0,
+                                                batch_bytes=batch * size, io_threads=io_threads), ns)
+            # one untimed round each first: both clients' connections to the store node are then open
+            mooncake_reference(ref, pool, batch, batch)
+            drive(tier, pool, batch, batch, shutdown=False)
+            ref.remove_all(True)
             runs = {"mc_put": [], "mc_get": [], "store": [], "load": []}
-            for _ in range(repeats):  # alternate, so drift in the machine hits both alike
-                r = mooncake_reference(ref, pool, n, batch)
-                assert np.array_equal(pool.array, before), "mooncake reference: loaded bytes differ"
-                ref.remove_all(True)
-                ns = Namespace(model="bench", chunk_bytes=pool.used_chunk_bytes)
-                tier = MooncakeTier(srv.tier_config(key_prefix=f"bench{time.monotonic_ns()}", segment_bytes=0,
-                                                    batch_bytes=batch * size), ns)
-                o = drive(tier, pool, n, batch)
-                assert np.array_equal(pool.array, before), "mooncake tier: loaded bytes differ"
-                ref.remove_all(True)
+            for rep in range(repeats):  # alternate the order, so drift in the machine hits both alike
+                for which in (("ref", "ours") if rep % 2 == 0 else ("ours", "ref")):
+                    if which == "ref":
+                        r = mooncake_reference(ref, pool, n, batch)
+                    else:
+                        o = drive(tier, pool, n, batch, shutdown=False)
+                    assert np.array_equal(pool.array, before), f"mooncake {which}: loaded bytes differ"
+                    ref.remove_all(True)
                 for k, v in (("mc_put", r["put"]), ("mc_get", r["get"]), ("store", o["store"]),
                              ("load", o["load"])):
                     runs[k].append(v)
                 bar.update()
+            tier.shutdown()
             ref.unregister_buffer(pool.tensor.data_ptr())
             pool.close()
             rows.append({"size": size, "n": n, **{k: statistics.median(v) for k, v in runs.items()}})
@@ -323,7 +330,8 @@ def print_mooncake(rows: list[dict], batch: int, redis_rows: list[dict] | None) 
 # ---- 2. two engines sharing the tier -------------------------------------------------------
 
 def two_engines(url: str, trace_path: Path, requests: int, cpu_share: float, shared: bool,
-                tier_conf: dict | None = None) -> dict:
+                tier_conf: dict | None = None, kind: str = "redis") -> dict:
+    """kind "mooncake": url is ignored, tier_conf says where the store is."""
     from kvoffload.replay.engine import EngineOptions, ReplayEngine
     from kvoffload.replay.traces import Trace, load_trace
 
@@ -337,8 +345,8 @@ def two_engines(url: str, trace_path: Path, requests: int, cpu_share: float, sha
         opts = EngineOptions(spec="tiered", progress=False, extra_config={
             "num_cpu_chunks": cpu_blocks,
             # a deep queue: measure sharing, not the tiering manager's back-pressure on a loaded machine
-            "secondary_tiers": [{"type": "redis", "url": url, "key_prefix": prefix, "max_queue_depth": 1 << 16,
-                                 **(tier_conf or {})}]})
+            "secondary_tiers": [{"type": kind, **({"url": url} if kind == "redis" else {}), "key_prefix": prefix,
+                                 "max_queue_depth": 1 << 16, **(tier_conf or {})}]})
         engines.append(ReplayEngine(half, opts))
 
     def run(i):
@@ -361,7 +369,7 @@ def two_engines(url: str, trace_path: Path, requests: int, cpu_share: float, sha
     out = {"wall_s": wall, "cpu_blocks": cpu_blocks, "engines": []}
     for res in results:
         c = res.counters
-        remote = res.tiers.get("redis", {}).get("counters", {})
+        remote = res.tiers.get(kind, {}).get("counters", {})
         cpu = res.tiers.get("cpu", {}).get("counters", {})
         out["engines"].append({
             "block_refs": c["block_refs"], "offload_hits": c["offload_hit_blocks"],
@@ -393,9 +401,9 @@ def infinite_cache_rates(trace_path: Path, requests: int) -> tuple[float, float]
     return (hits(reqs[0::2]) + hits(reqs[1::2])) / refs, hits(reqs) / refs
 
 
-def print_sharing(iso: dict, sh: dict, requests: int, ceilings: tuple[float, float]) -> None:
+def print_sharing(iso: dict, sh: dict, requests: int, ceilings: tuple[float, float], kind: str = "redis") -> None:
     print(f"\nTwo engines, {requests} requests of the Mooncake trace split round-robin, "
-          f"CPU tier {iso['cpu_blocks']} blocks each, one remote tier")
+          f"CPU tier {iso['cpu_blocks']} blocks each, one remote tier ({kind})")
     print("| run | engine | block refs | offload prefix hits | promoted from remote | hit rate | verified "
           "| stored to / dropped by remote |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
@@ -460,6 +468,9 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", help="write a PNG of the bandwidth table here")
     ap.add_argument("--mac-cost", action="store_true", help="also measure store / load with and without the MAC")
     ap.add_argument("--mooncake", action="store_true", help="also measure the Mooncake tier (part 4)")
+    ap.add_argument("--mooncake-io-threads", type=int, default=1, help="the Mooncake tier's io_threads (part 4)")
+    ap.add_argument("--replay-mooncake", action="store_true",
+                    help="also run part 2 with the Mooncake tier as the shared remote tier")
     args = ap.parse_args(argv)
     if find_benchmark_binary() is None and not args.skip_bandwidth:
         sys.exit("redis-benchmark not found (Debian: apt-get install redis-server)")
@@ -486,8 +497,18 @@ def main(argv=None) -> int:
                 bar.update()
             print_sharing(iso, sh, args.requests, infinite_cache_rates(Path(args.trace), args.requests))
     if args.mooncake:
-        mc = mooncake_bandwidth(sizes, parse_bytes(args.total, "--total"), args.repeats, args.pipeline)
+        mc = mooncake_bandwidth(sizes, parse_bytes(args.total, "--total"), args.repeats, args.pipeline,
+                                args.mooncake_io_threads)
         print_mooncake(mc, args.pipeline, rows)
+    if args.replay_mooncake:
+        from kvoffload.tiers.mooncake.server import LocalMooncake
+
+        with LocalMooncake(store_bytes=2 << 30) as mc_srv:
+            conf = {**mc_srv.tier_config(segment_bytes=0),
+                    **{k: _json_or_str(v) for k, v in (kv.split("=", 1) for kv in args.tier)}}
+            runs = [two_engines("", Path(args.trace), args.requests, args.cpu_share, shared, conf, "mooncake")
+                    for shared in (False, True)]
+        print_sharing(*runs, args.requests, infinite_cache_rates(Path(args.trace), args.requests), "mooncake")
     return 0
 
 
