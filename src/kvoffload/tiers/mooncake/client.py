@@ -45,6 +45,9 @@ def open_store(cfg: MooncakeConfig):
     what could not be reached: unlike a Redis URL, the client cannot be
     built against a master that is not there (and would retry for
     minutes), so a bad address fails start-up clearly."""
+    # The client logs every step of its set-up at INFO to stderr; keep warnings and errors
+    # (a user's own MC_LOG_LEVEL wins). Read when the library loads or a client starts.
+    os.environ.setdefault("MC_LOG_LEVEL", "WARNING")
     try:
         from mooncake.store import MooncakeDistributedStore
     except ImportError as e:
