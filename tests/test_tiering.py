@@ -446,3 +446,26 @@ def test_reset_drops_engine_jobs_and_fences_their_slots_until_flushed(rig):
     assert not r.mgr._requests and not r.mgr.has_pending_work()
     assert [c for c in calls if c[0] == "on_request_finished"] == [
         ("on_request_finished", "b"), ("on_request_finished", "a")]
+
+
+def test_released_fenced_slots_serve_the_engine_but_hold_promotions_until_flushed(rig):
+    """vLLM 0.32 says nothing when a reset's flush is done; if every CPU slot
+    was in flight at the reset, the adapter releases them for the engine's
+    later jobs (its worker orders those after the flushed ones), and the
+    promotions (our writes) wait for on_reset_flushed()."""
+    r = rig(cpu_chunks=2)
+    a = r.request("a")
+    r.mgr.prepare_store([key(1), key(2)], a)  # the whole pool in flight
+    r.mgr.reset_cache()
+    assert r.mgr.prepare_store([key(0)], a) is None  # all fenced
+    r.mgr.release_fenced_slots()
+    assert r.cpu.get_stats().gauges["fenced_blocks"] == 0
+    r.gpu_store([key(0)], a)  # the engine's own later job uses a freed slot
+    r.settle()  # and key 0 cascades to storage
+    r.cpu.reset_cache()  # CPU alone forgets key 0 (nothing in flight)
+    assert r.tier.manager.lookup(key(0), a) is HIT
+    assert r.mgr.lookup(key(0), a) is MISS  # no promotion into a freed slot yet
+    r.mgr.on_reset_flushed()
+    assert r.mgr.lookup(key(0), a) is PENDING
+    r.settle()
+    assert r.mgr.lookup(key(0), a) is HIT

@@ -170,6 +170,7 @@ class TieringManager(OffloadingManager):
         self._count_offers = any(t.store_threshold > 1 for t in tiers)
         self._max_tracked_offers = max_tracked_offers
         self._counters: dict[str, float] = {}
+        self._promotions_held = False  # see release_fenced_slots()
 
     def attach_workers(self, workers: list[TierWorker]) -> None:
         for t, w in zip(self.tiers, workers, strict=True):
@@ -250,6 +251,8 @@ class TieringManager(OffloadingManager):
     def _lookup_secondary(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
         if key in self._queued:
             return _PENDING
+        if self._promotions_held:
+            return _MISS
         st = self._state(ctx)
         if key in st.failed:
             return _MISS
@@ -556,6 +559,18 @@ class TieringManager(OffloadingManager):
 
     def on_reset_flushed(self) -> None:
         """The engine's workers finished every job dropped by the resets so far."""
+        self.primary.on_reset_flushed()
+        self._promotions_held = False
+
+    def release_fenced_slots(self) -> None:
+        """For an engine whose worker finishes a reset's dropped jobs before
+        it starts any later one (vLLM 0.32) but that says nothing when: the
+        fenced CPU slots are freed for its later jobs now, and promotions
+        (our writes, which that order does not cover) wait, secondary hits
+        answering MISS, until on_reset_flushed()."""
+        self._promotions_held = True
+        self._promote_queue.clear()  # not submitted yet: they would take the freed slots
+        self._queued.clear()
         self.primary.on_reset_flushed()
 
     def awaiting_flush(self) -> bool:

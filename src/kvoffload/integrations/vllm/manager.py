@@ -12,9 +12,10 @@ and hold their slots back until told the workers are done with them
 vLLM 0.32 has no such call, but its worker waits for every job in flight at
 a reset before it starts any job submitted after it; so here the first
 completion of any job after a reset means the flush is done (and if no
-slot was held back, no job was in flight: done at once; and without a
-secondary tier, when a store finds no room, since only vLLM's own later
-jobs can then reuse the slots).
+slot was held back, no job was in flight: done at once). If a store finds
+no room meanwhile, the held slots are released for vLLM's own later jobs
+(which its worker orders after the flushed ones), promotions waiting for
+that first completion (release_fenced_slots).
 """
 
 from __future__ import annotations
@@ -75,12 +76,12 @@ class VLLMOffloadingManager(vbase.OffloadingManager):
     def prepare_store(self, keys: Collection[bytes], req_context: Any) -> Any:
         ctx = convert.req_context(req_context)
         out = self.inner.prepare_store(keys, ctx)
-        if out is None and self._flush_due and not getattr(self.inner, "tiers", None):
+        if out is None and self._flush_due and hasattr(self.inner, "release_fenced_slots"):
             # 0.32, no room but slots fenced: no job may come to prove the
             # flush. vLLM's worker runs the flushed jobs before any later
-            # one, so its own later jobs may reuse them (no tier of ours
-            # writes CPU slots here): release them and try again.
-            self._flushed()
+            # one, so its own later jobs may reuse the slots (promotions,
+            # our own writes, wait for the first completion): try again.
+            self.inner.release_fenced_slots()
             out = self.inner.prepare_store(keys, ctx)
         return convert.prepare_store_output(out)
 

@@ -415,6 +415,8 @@ class CPUOffloadingManager(OffloadingManager):
         """True while slots of jobs dropped by a reset are held back."""
         return bool(self._fenced)
 
+    release_fenced_slots = on_reset_flushed  # (see TieringManager.release_fenced_slots)
+
     def get_stats(self) -> OffloadingStats:
         used = self.num_chunks - len(self._free)
         bpc = self.chunk_bytes
