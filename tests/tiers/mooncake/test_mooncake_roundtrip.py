@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvoffload.abstractions import LookupResult
+from kvoffload.abstractions import CPULoadStoreSpec, LookupResult
 from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.mooncake import MooncakeTier
 from mooncake_helpers import CTX, PATIENT, expected, fill, keys_for, load, lookup, make_tier, store
@@ -89,5 +89,29 @@ def test_one_process_stores_another_hits(mooncake, prefix):
         assert load(m, w, keys, list(range(n)))
         for j in range(n):
             assert np.array_equal(pool.chunk(j)[: pool.used_chunk_bytes], expected(pool, seed, j))
+    finally:
+        tier.shutdown()
+
+
+def test_many_rounds_and_threads(mooncake, prefix):
+    """Jobs larger than one batched call (batch_bytes of 2 chunks) on two IO threads at once, each with
+    its own registered header buffer: every byte still comes back."""
+    n, chunk = 24, 16 << 10
+    tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=2 * n, chunk_bytes=chunk, io_threads=2,
+                                 batch_bytes=2 * chunk)
+    try:
+        keys = keys_for(n, seed=9)
+        fill(pool, range(n), seed=9)
+        halves = [list(range(0, n, 2)), list(range(1, n, 2))]
+        out = [m.prepare_store([keys[s] for s in h], CTX) for h in halves]
+        for job, (h, o) in enumerate(zip(halves, out), start=1):  # both in flight together
+            assert w.submit_store(job, CPULoadStoreSpec(h), o.store_spec)
+        w.wait({1, 2})
+        assert all(r.success for r in w.get_finished())
+        for h in halves:
+            m.complete_store([keys[s] for s in h], CTX)
+        assert load(m, w, keys, list(range(n, 2 * n)))
+        for j in range(n):
+            assert np.array_equal(pool.chunk(n + j)[:chunk], expected(pool, 9, j))
     finally:
         tier.shutdown()
