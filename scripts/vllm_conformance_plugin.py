@@ -7,6 +7,7 @@ rebinds
       CPU manager behind our vLLM adapter (what vLLM's scheduler calls);
   vllm.v1.kv_offload.cpu.spec.CPUOffloadingSpec and the spec factory's
       "CPUOffloadingSpec" -> KVCPUSpec: our vLLM spec with kvoffload_spec "cpu".
+vLLM's tiering manager and spec (subclasses of vLLM's CPU ones) stay vLLM's.
 Only types are translated (our CPU LoadStoreSpec is returned as vLLM's, with
 the same slots); every answer is our manager's. Nothing of vLLM's is copied.
 """
@@ -27,6 +28,10 @@ def _install() -> None:
     if KVCPUManager is not None:
         return
     KVCPUManager, KVCPUSpec = _manager_class(), _spec_class()
+    # vLLM's tiering subclasses its CPU manager and spec (its primary tier):
+    # imported first, it keeps vLLM's, so its own tests stay about vLLM.
+    import vllm.v1.kv_offload.tiering.manager  # noqa: F401
+    import vllm.v1.kv_offload.tiering.spec  # noqa: F401
     import vllm.v1.kv_offload.cpu.manager as vmanager
     import vllm.v1.kv_offload.cpu.spec as vspec
     from vllm.v1.kv_offload.factory import OffloadingSpecFactory
