@@ -168,7 +168,7 @@ class Engine:
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(GPU_BLOCK, sha256)
         self.steps = 0
-        self.saw_loads = self.saw_full_cpu = False
+        self.saw_loads = self.saw_full_cpu = self.saw_promotions = False
 
     def add(self, req_id: str, prompt: list[int], max_tokens: int) -> None:
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
@@ -243,6 +243,7 @@ def expected_cpu_slots(engine: Engine) -> tuple[set[bytes], Counter]:
             reads.update(keys)
         else:
             writes.update(keys)
+            engine.saw_promotions = True
     return writes, reads
 
 
@@ -319,6 +320,7 @@ def test_vllm_scheduler_and_connector_drive_our_spec(spec, model_dir, tmp_path):
             check_slots(engine, f"step {engine.steps}" + (f" (last reset at {last_reset})" if last_reset else ""))
         assert added == len(todo) and resets == RESETS and aborted > 0
         assert engine.saw_loads and engine.saw_full_cpu  # the workload reached both
+        assert engine.saw_promotions or spec != "tiered"  # and the storage tier served CPU
 
         # Drained: vLLM has no job in flight; ours must hold nothing for it.
         if hasattr(engine.manager, "wait_idle"):
