@@ -265,7 +265,8 @@ def mooncake_reference(store, pool: HostPool, n: int, batch: int) -> dict[str, f
     return res
 
 
-def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int, io_threads: int = 1) -> list[dict]:
+def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int,
+                       io_threads: int | None = None) -> list[dict]:
     from mooncake.store import MooncakeDistributedStore
     from tqdm import tqdm
 
@@ -286,7 +287,8 @@ def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int, i
             assert ref.register_buffer(pool.tensor.data_ptr(), pool.nbytes) == 0
             ns = Namespace(model="bench", chunk_bytes=pool.used_chunk_bytes)
             tier = MooncakeTier(srv.tier_config(key_prefix=f"bench{time.monotonic_ns()}", segment_bytes=0,
-                                                batch_bytes=batch * size, io_threads=io_threads), ns)
+                                                batch_bytes=batch * size,
+                                                **({"io_threads": io_threads} if io_threads else {})), ns)
             # one untimed round each first: both clients' connections to the store node are then open
             mooncake_reference(ref, pool, batch, batch)
             drive(tier, pool, batch, batch, shutdown=False)
@@ -468,7 +470,11 @@ def main(argv=None) -> int:
     ap.add_argument("--plot", help="write a PNG of the bandwidth table here")
     ap.add_argument("--mac-cost", action="store_true", help="also measure store / load with and without the MAC")
     ap.add_argument("--mooncake", action="store_true", help="also measure the Mooncake tier (part 4)")
-    ap.add_argument("--mooncake-io-threads", type=int, default=1, help="the Mooncake tier's io_threads (part 4)")
+    ap.add_argument("--mooncake-io-threads", type=int, help="the Mooncake tier's io_threads (part 4; default: "
+                    "the tier's)")
+    ap.add_argument("--mooncake-store", default="6GiB",
+                    help="memory the store node lends for --replay-mooncake (the whole trace stores ~1.7 GB "
+                         "per run; a full store evicts)")
     ap.add_argument("--replay-mooncake", action="store_true",
                     help="also run part 2 with the Mooncake tier as the shared remote tier")
     args = ap.parse_args(argv)
@@ -503,7 +509,7 @@ def main(argv=None) -> int:
     if args.replay_mooncake:
         from kvoffload.tiers.mooncake.server import LocalMooncake
 
-        with LocalMooncake(store_bytes=2 << 30) as mc_srv:
+        with LocalMooncake(store_bytes=parse_bytes(args.mooncake_store, "--mooncake-store")) as mc_srv:
             conf = {**mc_srv.tier_config(segment_bytes=0),
                     **{k: _json_or_str(v) for k, v in (kv.split("=", 1) for kv in args.tier)}}
             runs = [two_engines("", Path(args.trace), args.requests, args.cpu_share, shared, conf, "mooncake")

@@ -48,7 +48,9 @@ class MooncakeConfig:
     miss_cache_s: float = 0.25  # how long an "absent" answer is trusted
     lookup_coalesce_s: float = 0.002  # wait this long to batch lookups before a check
     lookup_deadline_s: float = 0.5  # a lookup unanswered this long after its first RETRY is a MISS
-    io_threads: int = 1  # transfer threads (calls into the client release the GIL)
+    # transfer threads: the client's calls release the GIL and small values are latency-bound, so one
+    # thread would queue promotions behind cascaded stores (CPU slots stay pinned, requests wait)
+    io_threads: int = 4
     batch_bytes: int = 32 << 20  # bytes per batched put/get call
     max_queue_bytes: int = 1 << 30  # stores queued beyond this are dropped (back-pressure)
     backoff_initial_s: float = 0.05

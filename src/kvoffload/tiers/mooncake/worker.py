@@ -135,6 +135,8 @@ class MooncakeTierWorker(RemoteTierWorker):
             else:
                 status.append(ERROR)
         n_ok = status.count(OK)
+        if n_ok < len(keys):
+            log.debug("mooncake get: codes %s", sorted(set(codes)))
         c = self._state.counters
         c.add("loaded_blocks", n_ok)
         c.add("loaded_bytes", n_ok * payload)
