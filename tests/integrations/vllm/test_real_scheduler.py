@@ -48,6 +48,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import ( 
 )
 from vllm.utils.hashing import sha256  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
@@ -118,13 +119,14 @@ class LateResults:
         return getattr(self.inner, name)
 
 
-def vllm_config(model_dir, extra: dict) -> VllmConfig:
+def vllm_config(model_dir, extra: dict, async_scheduling: bool) -> VllmConfig:
     max_len = 1024
     return VllmConfig(
         model_config=ModelConfig(model=str(model_dir), skip_tokenizer_init=True, dtype="float32",
                                  max_model_len=max_len, seed=0),
         scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128, max_model_len=max_len,
-                                         enable_chunked_prefill=True, is_encoder_decoder=False),
+                                         enable_chunked_prefill=True, is_encoder_decoder=False,
+                                         async_scheduling=async_scheduling),
         cache_config=CacheConfig(block_size=GPU_BLOCK, enable_prefix_caching=True),
         kv_transfer_config=KVTransferConfig(
             kv_connector="OffloadingConnector", kv_role="kv_both",
@@ -145,9 +147,9 @@ def kv_cache_config() -> KVCacheConfig:
 
 
 class Engine:
-    def __init__(self, model_dir, extra: dict, seed: int):
+    def __init__(self, model_dir, extra: dict, seed: int, async_scheduling: bool):
         self.rng = random.Random(seed)
-        config = vllm_config(model_dir, extra)
+        config = vllm_config(model_dir, extra, async_scheduling)
         kv_config = kv_cache_config()
         config.cache_config.num_gpu_blocks = NUM_GPU_BLOCKS
         # The worker first: in one process the scheduler's manager pairs with
@@ -158,9 +160,13 @@ class Engine:
         self.worker.register_kv_caches(self.gpu)
         cw = self.worker.connector_worker
         cw.worker = LateResults(cw.worker, self.rng, lambda: self.steps)
-        self.scheduler = Scheduler(vllm_config=config, kv_cache_config=kv_config,
+        # Async (vLLM's default): a step's output is applied after the next step is scheduled.
+        self.pending_output = None
+        scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(vllm_config=config, kv_cache_config=kv_config,
                                    structured_output_manager=StructuredOutputManager(config),
                                    block_size=GPU_BLOCK, log_stats=True)
+        self.scheduler_config_async = async_scheduling
         self.connector = self.scheduler.connector.connector_scheduler  # vLLM's
         self.manager = self.connector.manager.inner  # ours
         for t in getattr(self.manager, "tiers", ()):  # the tiered spec's storage tier
@@ -196,8 +202,19 @@ class Engine:
             kv_connector_output=KVConnectorOutput(finished_sending=sending or None,
                                                   finished_recving=recving or None,
                                                   kv_connector_worker_meta=worker_meta))
-        self.scheduler.update_from_output(so, out)
+        if self.scheduler_config_async:
+            self.flush()
+            self.pending_output = (so, out)
+        else:
+            self.scheduler.update_from_output(so, out)
         self.steps += 1
+
+    def flush(self) -> bool:
+        """Apply a step's output still held (async); True if it left work."""
+        if self.pending_output is not None:
+            self.scheduler.update_from_output(*self.pending_output)
+            self.pending_output = None
+        return self.scheduler.has_requests()
 
 
 # ---- what must agree --------------------------------------------------------------
@@ -284,20 +301,22 @@ def model_dir(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
 @pytest.mark.parametrize("spec", ["cpu", "tiered"])
-def test_vllm_scheduler_and_connector_drive_our_spec(spec, model_dir, tmp_path):
+def test_vllm_scheduler_and_connector_drive_our_spec(spec, async_scheduling, model_dir, tmp_path):
     extra = {"kvoffload_spec": spec}
     if spec == "tiered":
         extra["secondary_tiers"] = [{"type": "storage", "path": str(tmp_path / "kv"),
                                      "capacity_bytes": "1MiB"}]
-    engine = Engine(model_dir, extra, seed=13)
+    engine = Engine(model_dir, extra, seed=13, async_scheduling=async_scheduling)
     rng = random.Random(7)
     todo = workload(rng)
     scheduler = engine.scheduler
     added = aborted = resets = 0
     last_reset = None
     try:
-        while added < len(todo) or scheduler.has_requests():  # as vLLM's engine loop
+        # as vLLM's engine loop: step while it has requests; async applies the last output first
+        while added < len(todo) or scheduler.has_requests() or engine.flush():
             assert engine.steps < MAX_STEPS, (
                 f"{len(scheduler.requests)} requests still unserved after {engine.steps} steps "
                 f"(last reset at step {last_reset}); waiting: "
