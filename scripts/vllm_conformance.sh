@@ -30,20 +30,23 @@ if [[ ! -s $SDIST ]]; then
   "$PY" - "$VERSION" "$SDIST" <<'EOF'
 import hashlib, json, sys, urllib.request
 version, dest = sys.argv[1], sys.argv[2]
-with urllib.request.urlopen(f"https://pypi.org/pypi/vllm/{version}/json", timeout=60) as r:
-    files = [f for f in json.load(r)["urls"] if f["packagetype"] == "sdist"]
+# PyPI's Simple API (PEP 691 JSON), the one pip uses
+req = urllib.request.Request("https://pypi.org/simple/vllm/",
+                             headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+with urllib.request.urlopen(req, timeout=60) as r:
+    files = [f for f in json.load(r)["files"] if f["filename"] == f"vllm-{version}.tar.gz"]
 if not files:
     sys.exit(f"PyPI lists no sdist for vllm {version}")
 f = files[0]
 with urllib.request.urlopen(f["url"], timeout=600) as r:
     data = r.read()
-if hashlib.sha256(data).hexdigest() != f["digests"]["sha256"]:
+if hashlib.sha256(data).hexdigest() != f["hashes"]["sha256"]:
     sys.exit(f"sha256 mismatch for {f['url']}")
 with open(dest + ".part", "wb") as out:
     out.write(data)
 import os
 os.replace(dest + ".part", dest)
-print(f"fetched {f['filename']} ({len(data) >> 20} MiB)")
+print(f"fetched {f['filename']} ({len(data) >> 20} MiB)", file=sys.stderr)
 EOF
 fi
 
