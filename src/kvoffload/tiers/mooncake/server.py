@@ -44,14 +44,16 @@ class LocalMooncake:
     """A mooncake_master we own (restartable on the same ports, to simulate
     an outage) and, with store_bytes, a store node lending that memory."""
 
-    def __init__(self, store_bytes: int = 0, lease_ms: int = 200):
+    def __init__(self, store_bytes: int = 0, lease_ms: int | None = None):
         self.master_bin = find_binary("mooncake_master")
         if self.master_bin is None:
             raise FileNotFoundError("no mooncake_master binary: pip install 'kvoffload[mooncake]' "
                                     "(scripts/setup.sh does) or set KVOFFLOAD_MOONCAKE_MASTER")
         self.rpc_port, self.http_port, self.metrics_port = free_port(), free_port(), free_port()
         self.store_bytes = store_bytes
-        self.lease_ms = lease_ms  # objects read or written this recently cannot be evicted or removed
+        # objects read or written this recently cannot be evicted or removed (None: Mooncake's 10 s); a read
+        # slower than the lease fails (lease_expired_before_data_transfer_completed), so keep it long
+        self.lease_ms = lease_ms
         self.dir = tempfile.mkdtemp(prefix="kvoffload-mooncake-")
         self.master: subprocess.Popen | None = None
         self.node: subprocess.Popen | None = None
@@ -103,7 +105,8 @@ class LocalMooncake:
             [self.master_bin, f"-rpc_port={self.rpc_port}", "-rpc_address=127.0.0.1",
              "-enable_http_metadata_server=true", "-http_metadata_server_host=127.0.0.1",
              f"-http_metadata_server_port={self.http_port}", f"-metrics_port={self.metrics_port}",
-             "-enable_metric_reporting=false", f"-default_kv_lease_ttl={self.lease_ms}"], "master.log")
+             "-enable_metric_reporting=false",
+             *([f"-default_kv_lease_ttl={self.lease_ms}"] if self.lease_ms else [])], "master.log")
         self._wait(self.master, [self.rpc_port, self.http_port], "master.log", timeout_s)
 
     @staticmethod
