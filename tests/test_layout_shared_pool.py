@@ -10,7 +10,7 @@ from layout_ref import full_cache, rows, shard
 from kvoffload.abstractions import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.config import OffloadingConfig
 from kvoffload.layout import LayerLayout, ParallelLayout, canonical_kv_caches
-from kvoffload.tiers.cpu.shared_pool import SharedHostPool
+from kvoffload.tiers.host_pool import SharedHostPool
 from kvoffload.tiers.cpu.worker import CPUOffloadingWorker, chunk_layout
 
 CONFIG = OffloadingConfig.from_dict({"groups": [16], "tokens_per_hash": 16, "blocks_per_chunk": 2})

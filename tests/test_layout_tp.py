@@ -26,7 +26,7 @@ from kvoffload.layout import (
     store_pages,
     window_block_indices,
 )
-from kvoffload.tiers.base import HostPool
+from kvoffload.tiers.host_pool import HostPool
 
 NUM_GPU_BLOCKS = 24
 

@@ -14,7 +14,7 @@ from layout_ref import full_cache, rows, shard
 from kvoffload.abstractions import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.config import OffloadingConfig
 from kvoffload.layout import MLA, LayerLayout, ParallelLayout, canonical_kv_caches, opaque_mapping
-from kvoffload.tiers.base import HostPool
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.cpu.worker import CPUOffloadingWorker, chunk_layout
 
 NUM_GPU_BLOCKS = 16
@@ -189,7 +189,7 @@ def test_strided_copies_round_trip_any_block_and_slot_order(data):
     t = shard(full, layer, par)
     kv = canonical_kv_caches([(t, layer)], [[0]], par)
     w = CPUOffloadingWorker(kv, CONFIG, NUM_CHUNKS)
-    assert w._strided[0]  # not the per-fragment path
+    assert w.planner.strided[0]  # not the per-fragment path
     n_chunks = data.draw(st.integers(1, 6))
     skip = data.draw(st.integers(0, 1))
     n = 2 * n_chunks - skip

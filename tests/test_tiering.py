@@ -17,7 +17,8 @@ from kvoffload.abstractions import (
 )
 from kvoffload.keys import make_offload_key
 from kvoffload.tiering import Tier, TieringManager
-from kvoffload.tiers.base import HostPool, Namespace
+from kvoffload.tiers.base import Namespace
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 from kvoffload.tiers.storage.manager import StorageOffloadingManager
 from kvoffload.tiers.storage.tier import StorageTier

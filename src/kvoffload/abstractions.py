@@ -358,6 +358,11 @@ class GPULoadStoreSpec(BlockIDsLoadStoreSpec):
 class CPULoadStoreSpec(BlockIDsLoadStoreSpec):
     """Chunk slots in the host pool, one per offload key, in key order."""
 
+    @property
+    def slots(self) -> np.ndarray:
+        """The pool slots (the contract calls them block_ids)."""
+        return self.block_ids
+
 
 @dataclass
 class CanonicalKVCacheTensor:

@@ -1,5 +1,6 @@
-"""What every tier shares: the host pool, the secondary-tier contract, and
-the namespace that keeps blocks of different models/layouts apart.
+"""What every tier shares: the secondary-tier contract, the namespace that
+keeps blocks of different models/layouts apart, and the pool alignment
+(the host pool itself: host_pool.py).
 
 The CPU tier is the primary: GPU <-> host pool. Secondary tiers (storage,
 remote) move whole chunks between host-pool slots and their medium, so they
@@ -11,12 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
-import mmap
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from kvoffload.abstractions import (
     CPULoadStoreSpec,
@@ -27,60 +25,14 @@ from kvoffload.abstractions import (
     TransferResult,
 )
 
+if TYPE_CHECKING:
+    from kvoffload.tiers.host_pool import HostPool
+
 ALIGN = 4096  # O_DIRECT and page alignment
 
 
 def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
-
-
-class HostPool:
-    """num_chunks fixed-size chunk slots in one anonymous, page-aligned mmap.
-
-    Allocated and touched once at start (first touch is slow on these
-    machines), and pinned with cudaHostRegister when CUDA is present so
-    device copies run asynchronously at full speed.
-    """
-
-    def __init__(self, num_chunks: int, chunk_bytes: int):
-        if num_chunks <= 0:
-            raise ValueError(f"host pool needs at least one chunk, got {num_chunks}")
-        if chunk_bytes <= 0:
-            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
-        self.num_chunks = num_chunks
-        self.chunk_bytes = align_up(chunk_bytes)
-        self.used_chunk_bytes = chunk_bytes
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        self._adopt(mmap.mmap(-1, self.nbytes, flags=flags), touch=True)
-
-    def _adopt(self, mm: mmap.mmap, touch: bool) -> None:
-        """Make mm the chunk slots: array and tensor views on it, every page
-        touched now (not on the copy path) if asked, pinned when CUDA is here."""
-        self._mmap = mm
-        self.array = np.frombuffer(mm, dtype=np.uint8).reshape(self.num_chunks, self.chunk_bytes)
-        if touch:
-            self.array[:, :: ALIGN] = 0
-        self.tensor = torch.from_numpy(self.array)  # shares the mmap
-        self.pinned = False
-        if torch.cuda.is_available():
-            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
-            self.pinned = int(rc) == 0
-
-    @property
-    def nbytes(self) -> int:
-        return self.num_chunks * self.chunk_bytes
-
-    def chunk(self, idx: int) -> np.ndarray:
-        """The bytes of one chunk slot (a view, no copy)."""
-        return self.array[idx]
-
-    def chunk_memoryview(self, idx: int) -> memoryview:
-        return memoryview(self._mmap)[idx * self.chunk_bytes : (idx + 1) * self.chunk_bytes]
-
-    def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.pinned = False
 
 
 @dataclass(frozen=True)

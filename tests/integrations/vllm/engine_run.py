@@ -43,7 +43,7 @@ def _metrics(llm) -> dict[str, float]:
 def _dump_pool(job: dict) -> None:
     import numpy as np
 
-    from kvoffload.tiers.cpu.shared_pool import SharedHostPool
+    from kvoffload.tiers.host_pool import SharedHostPool
 
     path = job["kv_transfer_config"]["kv_connector_extra_config"]["shared_pool_path"]
     np.save(job["pool_dump"], SharedHostPool.open(path).array)

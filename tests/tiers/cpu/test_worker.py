@@ -212,14 +212,14 @@ def test_empty_job_finishes_with_zero_bytes(worker_factory):
 def test_failed_job_reports_failure_and_thread_survives(worker_factory, monkeypatch):
     tensors, kv = random_kv_caches(8, [512])
     w = worker_factory(kv, config([16]), 4)
-    real_copy = w._copy
+    real_copy = w.copier.copy
 
     def flaky(job):
         if job.job_id == 1:
             raise OSError("injected copy failure")
         real_copy(job)
 
-    monkeypatch.setattr(w, "_copy", flaky)
+    monkeypatch.setattr(w.copier, "copy", flaky)
     assert w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([0]))
     w.wait({1})
     [r] = w.get_finished()
@@ -232,10 +232,10 @@ def test_duplicate_in_flight_job_id_refused(worker_factory, monkeypatch):
     _, kv = random_kv_caches(8, [512])
     w = worker_factory(kv, config([16]), 4)
     gate = threading.Event()
-    real_copy = w._copy
+    real_copy = w.copier.copy
     # the copy waits for the gate however loaded the machine (a bounded wait
     # could let job 1 finish before the duplicate is submitted)
-    monkeypatch.setattr(w, "_copy", lambda job: (gate.wait(), real_copy(job)))
+    monkeypatch.setattr(w.copier, "copy", lambda job: (gate.wait(), real_copy(job)))
     try:
         assert w.submit_store(1, GPULoadStoreSpec([1]), CPULoadStoreSpec([0]))
         assert not w.submit_store(1, GPULoadStoreSpec([2]), CPULoadStoreSpec([1]))
@@ -315,50 +315,3 @@ def test_concurrent_submitters(worker_factory):
     w.wait({100})
     assert all(r.success for r in w.get_finished())
     assert all(torch.equal(a, b) for a, b in zip(orig, tensors))
-
-
-def test_cuda_copy_path_byte_views_round_trip(worker_factory):
-    """The CUDA path's copies (copy_ of byte views) run on CPU tensors too:
-    check its offsets on real bytes (streams and events need a GPU)."""
-    raw = torch.randint(-128, 128, (24, 3000), dtype=torch.int8)
-    tensors = [raw[:, :2048], torch.randint(-128, 128, (24, 512), dtype=torch.int8)]
-    kv = make_kv_caches(tensors, groups=[[0, 1]])
-    w = worker_factory(kv, config([16], blocks_per_chunk=2), 8)
-    w._flat, w._pool_flat = w._byte_views()
-    orig = [t.clone() for t in tensors]
-    store = w._plan(1, "store", w._check(GPULoadStoreSpec([3, 4, 5], block_indices=[1]), CPULoadStoreSpec([6, 2])))
-    w._copy_cuda(store)
-    load = w._plan(2, "load", w._check(GPULoadStoreSpec([10, 11, 12], block_indices=[1]), CPULoadStoreSpec([6, 2])))
-    w._copy_cuda(load)
-    for a, b in zip(orig, tensors):
-        assert torch.equal(b[10:13], a[3:6])
-    # and the CPU path reads back the same pool bytes
-    run(w, 3, "load", GPULoadStoreSpec([20, 21, 22], block_indices=[1]), CPULoadStoreSpec([6, 2]))
-    for a, b in zip(orig, tensors):
-        assert torch.equal(b[20:23], a[3:6])
-
-
-def test_contiguous_fragments_are_merged(worker_factory):
-    # two runs that together are one contiguous 1024 B copy at canonical offset 512
-    tensors, kv = random_kv_caches(8, [1024])
-    runs = (CopyRun(0, 512, 128, 4, 128, 128), CopyRun(512, 1024, 256, 2, 256, 256))
-    kv.group_data_refs[0][0].mapping = CanonicalPageMapping(2048, 1024, runs, 1, 0, False)
-    w = worker_factory(kv, config([16]), 2)
-    assert w._pieces[0].size.tolist() == [1024]
-    run(w, 1, "store", GPULoadStoreSpec([5]), CPULoadStoreSpec([1]))
-    assert np.array_equal(w.pool.chunk(1)[512:1536], tensors[0][5].numpy().view(np.uint8))
-
-
-@given(st.lists(st.tuples(st.integers(0, 6), st.integers(0, 6), st.integers(0, 2)), max_size=40))
-def test_strided_stretches_cover_the_job_in_order(triples):
-    from kvoffload.tiers.cpu.worker import _strided_stretches
-
-    def indices(i, n):
-        return [i] * n if isinstance(i, int) else list(range(*i.indices(100)))[:n]
-
-    cols = [np.array([t[i] for t in triples], dtype=np.int64) for i in range(3)]
-    got = []
-    for g, (s, u), n in _strided_stretches(*cols):
-        assert n == 1 or (isinstance(g, slice) and isinstance(s, slice) != isinstance(u, slice))
-        got += zip(indices(g, n), indices(s, n), indices(u, n))
-    assert got == [tuple(t) for t in triples]

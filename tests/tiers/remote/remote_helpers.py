@@ -9,7 +9,8 @@ import time
 import numpy as np
 
 from kvoffload.abstractions import CPULoadStoreSpec, LookupResult, ReqContext, ScheduleEndContext
-from kvoffload.tiers.base import HostPool, Namespace
+from kvoffload.tiers.base import Namespace
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.remote import RemoteTier
 
 CTX = ReqContext("test")

@@ -2,7 +2,8 @@
 
 import pytest
 
-from kvoffload.tiers.base import HostPool, Namespace
+from kvoffload.tiers.base import Namespace
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.storage.tier import StorageTier
 from storage_helpers import CHUNK, NS, close
 

@@ -7,7 +7,8 @@ import pytest
 
 from kvoffload.abstractions import CPULoadStoreSpec, ReqContext
 from kvoffload.keys import make_offload_key
-from kvoffload.tiers.base import HostPool, Namespace
+from kvoffload.tiers.base import Namespace
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.storage.tier import StorageTier
 
 CHUNK = 16 * 1024

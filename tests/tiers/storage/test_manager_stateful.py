@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvoffload.abstractions import CPULoadStoreSpec, LookupResult, ReqContext
-from kvoffload.tiers.base import HostPool
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.storage.tier import StorageTier
 from storage_helpers import CHUNK, NS, close, expected, fill, key
 

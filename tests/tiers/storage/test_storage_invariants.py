@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvoffload.abstractions import CPULoadStoreSpec, LookupResult
-from kvoffload.tiers.base import HostPool
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.storage.tier import StorageTier
 from storage_helpers import CHUNK, CTX, NS, close, expected, fill, key, load, store
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from kvoffload.abstractions import LookupResult
-from kvoffload.tiers.base import HostPool, Namespace
+from kvoffload.tiers.base import Namespace
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.storage.tier import StorageTier
 from storage_helpers import CHUNK, CTX, NS, close, expected, fill, key, load, store
 
@@ -23,7 +24,7 @@ HERE = os.path.dirname(__file__)
 WRITER = f"""
 import sys
 sys.path.insert(0, {HERE!r})
-from kvoffload.tiers.base import HostPool
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.storage.tier import StorageTier
 from storage_helpers import CHUNK, NS, close, fill, key, store
 tier = StorageTier(sys.argv[1], 32 * CHUNK, CHUNK, NS)

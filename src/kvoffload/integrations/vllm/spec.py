@@ -47,7 +47,7 @@ from kvoffload.integrations.vllm.worker import VLLMOffloadingWorker
 from kvoffload.layout import check_config_offloadable
 from kvoffload.metrics import build_metric_definitions
 from kvoffload.spec import get_spec_class
-from kvoffload.tiers.cpu.shared_pool import SharedHostPool
+from kvoffload.tiers.host_pool import SharedHostPool
 from kvoffload.tiers.cpu.spec import CPUOffloadingSpec
 
 # (engine id, our spec name, our config) -> the kvoffload spec of this process

@@ -199,7 +199,7 @@ class CPUOffloadingSpec(OffloadingSpec):
     def _shared_pool(self, kv_caches: CanonicalKVCaches, chunk_bytes: int):
         """TP rank 0 makes the pool file, the other ranks open it."""
         from kvoffload.layout import check_shareable
-        from kvoffload.tiers.cpu.shared_pool import SharedHostPool
+        from kvoffload.tiers.host_pool import SharedHostPool
 
         try:
             check_shareable(kv_caches)
@@ -213,7 +213,7 @@ class CPUOffloadingSpec(OffloadingSpec):
     def take_pool_geometry(self) -> None:
         """Chunk count and size from the pool file the workers made (for a
         manager in another process), checked against what was declared."""
-        from kvoffload.tiers.cpu.shared_pool import SharedHostPool
+        from kvoffload.tiers.host_pool import SharedHostPool
 
         num_chunks, chunk_bytes = SharedHostPool.geometry(self.shared_pool_path, POOL_WAIT_S)
         for declared, have, what in ((self.kv_bytes_per_chunk, chunk_bytes, "KV bytes per chunk"),

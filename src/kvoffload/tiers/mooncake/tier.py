@@ -19,7 +19,8 @@ from typing import Any
 
 from kvoffload.abstractions import Locality, Medium
 from kvoffload.config import ConfigError
-from kvoffload.tiers.base import HostPool, Namespace, SecondaryTier, align_up
+from kvoffload.tiers.base import Namespace, SecondaryTier, align_up
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.mooncake.client import open_store
 from kvoffload.tiers.mooncake.config import MooncakeConfig
 from kvoffload.tiers.mooncake.keys import MooncakeKeySpace

@@ -17,7 +17,7 @@ import ctypes
 import logging
 import mmap
 
-from kvoffload.tiers.base import HostPool
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.mooncake.client import (
     INVALID_PARAMS,
     OBJECT_ALREADY_EXISTS,

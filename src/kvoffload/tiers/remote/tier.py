@@ -17,7 +17,8 @@ from typing import Any
 
 from kvoffload.abstractions import Locality, Medium
 from kvoffload.config import ConfigError
-from kvoffload.tiers.base import HostPool, Namespace, SecondaryTier, align_up
+from kvoffload.tiers.base import Namespace, SecondaryTier, align_up
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.remote.config import RemoteConfig
 from kvoffload.tiers.remote.connection import build_client, check_server
 from kvoffload.tiers.remote.manager import RemoteOffloadingManager

@@ -18,7 +18,8 @@ import time
 import redis
 
 from kvoffload.abstractions import CPULoadStoreSpec, TransferResult
-from kvoffload.tiers.base import HostPool, TierWorker
+from kvoffload.tiers.base import TierWorker
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.remote import resp
 from kvoffload.tiers.remote.config import RemoteConfig
 from kvoffload.tiers.remote.connection import NETWORK_ERRORS

@@ -9,7 +9,8 @@ from typing import Any
 
 from kvoffload.abstractions import Locality, Medium
 from kvoffload.config import ConfigError, check_known_keys, parse_bytes, positive_int
-from kvoffload.tiers.base import HostPool, Namespace, SecondaryTier
+from kvoffload.tiers.base import Namespace, SecondaryTier
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.storage.manager import StorageOffloadingManager
 from kvoffload.tiers.storage.store import SlabStore
 from kvoffload.tiers.storage.worker import StorageWorker

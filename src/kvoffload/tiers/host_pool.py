@@ -1,15 +1,16 @@
-"""A host pool the TP ranks of a node share across processes.
+"""The host pool: fixed-size chunk slots in host memory, the CPU tier's
+medium and the staging area every secondary tier reads and writes.
 
 HostPool maps anonymous private memory, so only threads of one process can
 share it. SharedHostPool maps one file (best on a tmpfs such as /dev/shm)
-MAP_SHARED instead: one process creates it, the other ranks open it by
+MAP_SHARED instead: one process creates it, the other TP ranks open it by
 path, and every CPUOffloadingWorker given it (`pool=`) sees the same chunk
 slots. Same layout and API as HostPool; which rank writes which block is
-the mappings' business (see kvoffload/layout.py).
+the mappings' business (see kvoffload/layout/).
 
-The file starts with one 4 KiB header page naming its geometry (so a
-process that does not know the chunk size, such as vLLM's scheduler, can
-read it: `geometry(path)`), then the chunk slots. It appears at `path`
+A shared pool's file starts with one 4 KiB header page naming its geometry
+(so a process that does not know the chunk size, such as vLLM's scheduler,
+can read it: `geometry(path)`), then the chunk slots. It appears at `path`
 only once complete (made under a temporary name, then linked), so a rank
 that opens it never sees a half-made pool.
 """
@@ -22,7 +23,61 @@ import struct
 import time
 from pathlib import Path
 
-from kvoffload.tiers.base import ALIGN, HostPool, align_up
+import numpy as np
+import torch
+
+from kvoffload.tiers.base import ALIGN, align_up
+
+
+class HostPool:
+    """num_chunks fixed-size chunk slots in one anonymous, page-aligned mmap.
+
+    Allocated and touched once at start (first touch is slow on these
+    machines), and pinned with cudaHostRegister when CUDA is present so
+    device copies run asynchronously at full speed.
+    """
+
+    def __init__(self, num_chunks: int, chunk_bytes: int):
+        if num_chunks <= 0:
+            raise ValueError(f"host pool needs at least one chunk, got {num_chunks}")
+        if chunk_bytes <= 0:
+            raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        self.num_chunks = num_chunks
+        self.chunk_bytes = align_up(chunk_bytes)
+        self.used_chunk_bytes = chunk_bytes
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+        self._adopt(mmap.mmap(-1, self.nbytes, flags=flags), touch=True)
+
+    def _adopt(self, mm: mmap.mmap, touch: bool) -> None:
+        """Make mm the chunk slots: array and tensor views on it, every page
+        touched now (not on the copy path) if asked, pinned when CUDA is here."""
+        self._mmap = mm
+        self.array = np.frombuffer(mm, dtype=np.uint8).reshape(self.num_chunks, self.chunk_bytes)
+        if touch:
+            self.array[:, :: ALIGN] = 0
+        self.tensor = torch.from_numpy(self.array)  # shares the mmap
+        self.pinned = False
+        if torch.cuda.is_available():
+            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+            self.pinned = int(rc) == 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_chunks * self.chunk_bytes
+
+    def chunk(self, idx: int) -> np.ndarray:
+        """The bytes of one chunk slot (a view, no copy)."""
+        return self.array[idx]
+
+    def chunk_memoryview(self, idx: int) -> memoryview:
+        return memoryview(self._mmap)[idx * self.chunk_bytes : (idx + 1) * self.chunk_bytes]
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+
+
 
 MAGIC = b"KVOFFLOAD-POOL-1"
 _HEADER = struct.Struct("<16sQQ")  # magic, num_chunks, used chunk bytes

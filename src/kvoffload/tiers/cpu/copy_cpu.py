@@ -1,0 +1,124 @@
+"""The CPU executor of copy plans: KV tensors in host memory.
+
+One transfer thread plans each job (plan.py) and runs ctypes.memmove over
+raw addresses (memmove releases the GIL; it beat copy_ loops and
+index_select/index_copy_ here, see docs/BENCHMARKS.md "Copy bandwidth").
+The thread takes the GIL back between ranges, so merged, large ranges
+matter. A strided ref is copied as one np.copyto per stretch of its numpy
+strided views (all blocks x fragments; all slots x pages x fragments).
+Nothing on the copy path allocates beyond the plan's few small arrays.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from kvoffload.abstractions import CanonicalKVCaches
+from kvoffload.tiers.cpu.plan import STORE, CopyPlanner, GroupJob, Plan, StridedRef
+from kvoffload.tiers.host_pool import HostPool
+
+logger = logging.getLogger(__name__)
+
+Finish = Callable[[int, int, "float | None"], None]  # (job id, bytes or -1 if failed, seconds)
+
+
+class CPUCopier:
+    """Runs plans on one transfer thread; reports each job through `finish`."""
+
+    def __init__(self, planner: CopyPlanner, kv_caches: CanonicalKVCaches, pool: HostPool, finish: Finish):
+        self.planner, self.pool, self._finish = planner, pool, finish
+        self._gpu_base = np.array([kvt.tensor.data_ptr() for kvt in kv_caches.tensors] or [0], dtype=np.int64)
+        self._pool_base = pool.tensor.data_ptr()
+        self._views: dict[StridedRef, list[tuple[np.ndarray, np.ndarray]]] = {
+            st: self._run_views(kv_caches, st, planner.blocks_per_chunk[g])
+            for g, sts in enumerate(planner.strided) for st in sts
+        }
+        self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # orders submits against close's sentinel
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="kvoffload-cpu-copy", daemon=True)
+        self._thread.start()
+
+    def submit(self, job_id: int, direction: str, groups: list[GroupJob]) -> None:
+        """Queue a checked job; one that races close fails (never hangs)."""
+        with self._lock:
+            if not self._stopped:
+                self._queue.put((job_id, direction, groups))
+                return
+        self._finish(job_id, -1, None)
+
+    def poll(self, block_on: set[int] | None = None) -> None:
+        """Nothing to do: the thread reports jobs as they finish."""
+
+    def close(self, in_flight: set[int]) -> None:
+        """Finish the queued jobs, then stop the thread."""
+        with self._lock:
+            self._stopped = True
+            self._queue.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            job_id, direction, groups = item
+            t0 = time.perf_counter()
+            try:
+                plan = self.planner.plan(job_id, direction, groups)
+                self.copy(plan)
+            except Exception:  # a failed job never takes the thread down
+                logger.exception("CPU offload %s job %d failed", direction, job_id)
+                self._finish(job_id, -1, time.perf_counter() - t0)
+            else:
+                self._finish(job_id, plan.nbytes, time.perf_counter() - t0)
+
+    def _run_views(self, kv_caches: CanonicalKVCaches, st: StridedRef, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Per CopyRun of a strided ref: its fragments in every GPU block,
+        (blocks, fragments, words), and in every pool page, (slots, pages,
+        fragments, words), as numpy views; words of the widest int that
+        every offset and stride allows (wide elements copy faster)."""
+        t = kv_caches.tensors[st.ref.tensor_idx].tensor
+        gpu_flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
+        pool_flat = self.pool.array.reshape(-1)
+        g_at, g_stride = t.storage_offset(), t.stride(0)
+        cb, views = self.pool.chunk_bytes, []
+        for r in st.ref.mapping.runs:
+            w = math.gcd(8, g_at + r.local_offset, g_stride, r.local_stride, r.fragment_size, cb,
+                         st.chunk_offset + r.canonical_offset, st.page_in_chunk, r.canonical_stride)
+            dt = np.dtype(f"i{w}") if w > 1 else np.dtype(np.uint8)
+            frag = (r.num_fragments, r.fragment_size // w)
+            gv = np.ndarray((t.shape[0], *frag), dt, gpu_flat, g_at + r.local_offset,
+                            (g_stride, r.local_stride, w))
+            pv = np.ndarray((self.pool.num_chunks, k, *frag), dt, pool_flat, st.chunk_offset + r.canonical_offset,
+                            (cb, st.page_in_chunk, r.canonical_stride, w))
+            views.append((gv, pv))
+        return views
+
+    def copy(self, plan: Plan) -> None:
+        """The whole CPU copy path: memmove each byte range, np.copyto each
+        stretch of a strided ref (both release the GIL)."""
+        gpu = (self._gpu_base[plan.tensor_idx] + plan.gpu_offset).tolist()
+        pool = (self._pool_base + plan.pool_offset).tolist()
+        memmove = ctypes.memmove
+        if plan.direction == STORE:
+            for dst, src, n in zip(pool, gpu, plan.size.tolist()):
+                memmove(dst, src, n)
+        else:
+            for dst, src, n in zip(gpu, pool, plan.size.tolist()):
+                memmove(dst, src, n)
+        copyto = np.copyto
+        for st, stretches in plan.strided:
+            for gv, pv in self._views[st]:
+                if plan.direction == STORE:
+                    for g, p, _ in stretches:
+                        copyto(pv[p], gv[g])
+                else:
+                    for g, p, _ in stretches:
+                        copyto(gv[g], pv[p])
