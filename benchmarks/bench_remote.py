@@ -46,7 +46,8 @@ import redis
 
 from kvoffload.abstractions import CPULoadStoreSpec
 from kvoffload.config import parse_bytes
-from kvoffload.tiers.base import HostPool, Namespace
+from kvoffload.tiers.base import Namespace
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.remote import RemoteTier
 from kvoffload.tiers.remote.server import LocalServer, find_benchmark_binary
 from kvoffload.replay.traces import shared_trace_path

@@ -31,7 +31,8 @@ from tqdm import tqdm
 
 from kvoffload.abstractions import CPULoadStoreSpec, ReqContext
 from kvoffload.keys import make_offload_key
-from kvoffload.tiers.base import HostPool, Namespace
+from kvoffload.tiers.base import Namespace
+from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.storage.tier import StorageTier
 
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
