@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
-from layout_ref import full_cache, rows, shard
+from layout_ref import block_rows, canonical_kv_caches, full_cache, load_pages, rows, shard, store_pages
 
 from kvoffload.abstractions import (
     CanonicalKVCacheRef,
@@ -23,16 +23,12 @@ from kvoffload.layout import (
     LayoutError,
     ParallelLayout,
     UnsupportedModelError,
-    block_rows,
-    canonical_kv_caches,
     canonical_layout_id,
+    check_offloadable,
     check_shareable,
     layer_mapping,
-    layer_ref_mapping,
-    load_pages,
     opaque_mapping,
     parallel_layout_id,
-    store_pages,
     try_layer_mapping,
     verify_tiling,
     window_block_indices,
@@ -159,40 +155,13 @@ def test_unmappable_layout_falls_back_to_opaque():
     assert not layer_mapping(good, ParallelLayout(0, 4), 999).parallelism_agnostic
 
 
-def test_tensor_shape_decides_mapping():
-    layer = LayerLayout(16, 8, 64, torch.bfloat16)
-    par = ParallelLayout(1, 2)
-    good = torch.zeros(4, 2, 16, 4, 64, dtype=torch.bfloat16)
-    assert layer_ref_mapping(good, layer, par) == try_layer_mapping(layer, par)
-    as_bytes = torch.zeros(4, 2 * 16 * 4 * 64 * 2, dtype=torch.uint8)  # already byte rows
-    assert layer_ref_mapping(as_bytes, layer, par).parallelism_agnostic
-    wrong_order = torch.zeros(4, 2, 4, 16, 64, dtype=torch.bfloat16)  # HND, layer says NHD
-    m = layer_ref_mapping(wrong_order, layer, par)
-    assert not m.parallelism_agnostic and m.local_page_size_bytes == good[0].numel() * 2
-    wrong_dtype = torch.zeros(4, 2, 16, 4, 64, dtype=torch.float32)
-    assert not layer_ref_mapping(wrong_dtype, layer, par).parallelism_agnostic
-
-
-def test_block_rows_share_memory_and_keep_padding():
-    padded = torch.zeros(5, 40, dtype=torch.float16)[:, :32]  # 64-byte pages, 80-byte stride
-    r = block_rows(padded)
-    assert r.shape == (5, 80) and r.stride() == (80, 1)
-    r[2, :64] = 7
-    assert (padded[2].view(torch.uint8) == 7).all() and (padded[1] == 0).all()
-    with pytest.raises(LayoutError, match="not contiguous"):
-        block_rows(torch.zeros(2, 4, 8).transpose(0, 1))  # (4, 2, 8): blocks not outermost
-
-
-def test_canonical_kv_caches_and_namespace_ids():
+def test_namespace_ids_say_which_layouts_may_read_a_pool():
     gqa = LayerLayout(16, 8, 64, torch.bfloat16, name="layers.0")
     mla = LayerLayout(16, 1, 96, torch.bfloat16, kind=MLA, name="layers.1")
     par = ParallelLayout(1, 2)
     t0 = torch.zeros(6, 2, 16, 4, 64, dtype=torch.bfloat16)
     t1 = torch.zeros(6, 16, 96, dtype=torch.bfloat16)
     kv = canonical_kv_caches([(t0, gqa), (t1, mla), (t0, gqa)], [[0, 2], [1]], par)
-    assert len(kv.tensors) == 2  # layers sharing a tensor share its entry
-    assert [[r.tensor_idx for r in g] for g in kv.group_data_refs] == [[0, 0], [1]]
-    assert kv.group_data_refs[0][0].page_size_bytes == t0[0].numel() * 2
     assert kv.group_data_refs[1][0].mapping.num_writers == 2
     assert parallel_layout_id(kv, par, shared_pool=True) == "agnostic"
     check_shareable(kv)
@@ -216,9 +185,8 @@ def test_canonical_kv_caches_and_namespace_ids():
 def test_state_we_cannot_offload_is_refused(kind):
     bad = LayerLayout(16, 1, 64, torch.bfloat16, kind=kind, name="model.layers.3.mixer")
     ok = LayerLayout(16, 8, 64, torch.bfloat16)
-    t = torch.zeros(2, 2, 16, 8, 64, dtype=torch.bfloat16)
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.3\.mixer.*refused") as e:
-        canonical_kv_caches([(t, ok), (t, bad)], [[0], [1]], ParallelLayout())
+        check_offloadable([ok, bad])
     assert isinstance(e.value, ConfigError)
     with pytest.raises(UnsupportedModelError):
         layer_mapping(bad, ParallelLayout(), 4096)  # never an opaque fallback either
@@ -229,29 +197,6 @@ def test_unknown_kind_or_format_is_a_layout_error():
         with pytest.raises(LayoutError):
             layer = dataclasses.replace(LayerLayout(16, 8, 64, torch.float16), **bad)
             try_layer_mapping(layer, ParallelLayout())
-
-
-def test_copies_respect_row_strides_and_odd_sizes():
-    # int8, head_dim 3: fragments of 3 bytes, so byte-wide copies; pages in
-    # rows of a wider buffer (like pages inside pool chunks).
-    layer = LayerLayout(4, 4, 3, torch.int8, order="NHD")
-    full = full_cache(layer, 3)
-    par = ParallelLayout(1, 2)
-    m = try_layer_mapping(layer, par)
-    local = rows(shard(full, layer, par))
-    buf = torch.full((3, m.canonical_page_size_bytes + 13), 0xAA, dtype=torch.uint8)
-    canon = buf[:, 5:5 + m.canonical_page_size_bytes]
-    store_pages(m, local, canon)
-    assert (buf[:, :5] == 0xAA).all() and (buf[:, 5 + m.canonical_page_size_bytes:] == 0xAA).all()
-    back = torch.zeros_like(local)
-    load_pages(m, canon, back)
-    assert torch.equal(back, local)
-    with pytest.raises(ValueError, match="pages too small"):
-        store_pages(m, local[:, :-1], canon)
-    with pytest.raises(ValueError, match="local pages but"):
-        store_pages(m, local[:2], canon)
-    with pytest.raises(ValueError, match="uint8 rows"):
-        store_pages(m, local.view(torch.int8), canon)
 
 
 def test_window_block_indices():

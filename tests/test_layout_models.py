@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from layout_ref import full_cache, rows
+from layout_ref import canonical_kv_caches, full_cache, rows
 
 from kvoffload.abstractions import CPULoadStoreSpec, ReqContext, make_offload_key
 from kvoffload.config import ConfigError, OffloadingConfig
@@ -15,7 +15,6 @@ from kvoffload.layout import (
     LayerLayout,
     ParallelLayout,
     UnsupportedModelError,
-    canonical_kv_caches,
     window_chunks,
     window_gpu_spec,
 )

@@ -5,11 +5,11 @@ import multiprocessing
 
 import pytest
 import torch
-from layout_ref import full_cache, rows, shard
+from layout_ref import canonical_kv_caches, full_cache, rows, shard
 
 from kvoffload.abstractions import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.config import OffloadingConfig
-from kvoffload.layout import LayerLayout, ParallelLayout, canonical_kv_caches
+from kvoffload.layout import LayerLayout, ParallelLayout
 from kvoffload.tiers.host_pool import SharedHostPool
 from kvoffload.tiers.cpu.worker import CPUOffloadingWorker, chunk_layout
 

@@ -5,7 +5,7 @@ TP rank and size, and canonical pages to any layout."""
 
 import pytest
 import torch
-from layout_ref import full_cache, rows, shard
+from layout_ref import canonical_kv_caches, full_cache, rows, shard
 
 from kvoffload.abstractions import (
     GPULoadStoreSpec,
@@ -15,7 +15,7 @@ from kvoffload.abstractions import (
     make_offload_key,
 )
 from kvoffload.config import ConfigError, OffloadingConfig
-from kvoffload.layout import LayerLayout, ParallelLayout, canonical_kv_caches
+from kvoffload.layout import LayerLayout, ParallelLayout
 from kvoffload.tiering import TieredOffloadingSpec
 
 END = ScheduleEndContext((), ())

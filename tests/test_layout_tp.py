@@ -13,17 +13,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
-from layout_ref import full_cache, rows, shard
+from layout_ref import canonical_kv_caches, full_cache, load_pages, rows, shard, store_pages
 
 from kvoffload.config import OffloadingConfig
 from kvoffload.layout import (
     MLA,
     LayerLayout,
     ParallelLayout,
-    canonical_kv_caches,
-    load_pages,
     parallel_layout_id,
-    store_pages,
     window_block_indices,
 )
 from kvoffload.tiers.host_pool import HostPool

@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 import torch
-from layout_ref import full_cache, rows, shard
+from layout_ref import canonical_kv_caches, full_cache, rows, shard
 
 from kvoffload.abstractions import CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.config import OffloadingConfig
-from kvoffload.layout import MLA, LayerLayout, ParallelLayout, canonical_kv_caches, opaque_mapping
+from kvoffload.layout import MLA, LayerLayout, ParallelLayout, opaque_mapping
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.cpu.worker import CPUOffloadingWorker, chunk_layout
 
