@@ -44,3 +44,27 @@ def test_remote_call_that_raises_changes_nothing(redis_server, prefix, method, b
     finally:
         tier.shutdown()
         pool.close()
+
+
+def test_lookup_of_a_bad_key_keeps_the_checker_working(redis_server, prefix):
+    """A hashable key that is not bytes gets through lookup() to the
+    existence checker's thread: it is answered absent there, and keys
+    looked up with it or after it are still checked."""
+    from remote_helpers import lookup
+
+    from kvoffload.abstractions import LookupResult
+
+    tier, m, worker, pool = make_tier(redis_server.url, prefix, num_chunks=8)
+    try:
+        good = keys_for(2, seed=7)
+        assert store(m, worker, good, [0, 1])
+        m.reset_cache()
+        ctx = ReqContext("r")
+        m.lookup(5, ctx)
+        m.lookup(good[0], ctx)  # queued in the same round as the bad key
+        assert lookup(m, 5) is LookupResult.MISS
+        assert lookup(m, good[0]) is LookupResult.HIT
+        assert lookup(m, good[1]) is LookupResult.HIT  # a later round
+    finally:
+        tier.shutdown()
+        pool.close()

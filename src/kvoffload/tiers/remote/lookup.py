@@ -83,10 +83,16 @@ class ExistenceChecker:
         if not backoff.available():
             self.results.extend((k, None) for k in keys)
             return
+        try:
+            rkeys = self._keyspace.redis_keys(keys)
+        except (AttributeError, TypeError):  # a key that is not bytes: absent, and the thread lives on
+            good = [k for k in keys if isinstance(k, bytes)]
+            self.results.extend((k, False) for k in keys if not isinstance(k, bytes))
+            keys, rkeys = good, self._keyspace.redis_keys(good)
         self.busy_since = time.monotonic()
         try:
             pipe = self._client.pipeline(transaction=False)
-            for rk in self._keyspace.redis_keys(keys):
+            for rk in rkeys:
                 pipe.exists(rk)
             answers = pipe.execute()
         except NETWORK_ERRORS as e:

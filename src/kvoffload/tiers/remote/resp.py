@@ -4,8 +4,22 @@ Why not redis-py's own commands: they copy each value at least twice
 (into a packed command on send; into a parser buffer and then a bytes
 object on receive). Here a SET sends the host-pool chunk's memoryview
 straight to the socket (sendmsg scatter-gather), and a GET reads the value
-straight into the preallocated pool slot with recv_into; only what the
-64 KiB line buffer happened to read ahead is copied once.
+straight into the preallocated pool slot: header, payload and trailing CRLF
+in one recvmsg_into(MSG_WAITALL) call (one wake-up per value, not one per
+socket-buffer's worth); only the few bytes the reply-line buffer read ahead
+(at most _READAHEAD) are copied once.
+
+The socket comes from redis-py (it did the TCP/unix/TLS connect, AUTH and
+SELECT): redis-py 8 has no public accessor for a connection's socket (only
+the private `_sock` / `_get_socket()`), so `_socket_of` reads `_sock` in one
+place and fails with a clear message if a redis-py release renames it. The
+connection is made for us (make_connection), never returned to redis-py's
+pool, so nothing else reads from or changes that socket.
+
+Plain (non-TLS) sockets are switched to blocking mode with the same timeout
+as kernel SO_RCVTIMEO / SO_SNDTIMEO: every wait stays bounded by
+remote.socket_timeout_s, without Python's poll() before each recv, and
+MSG_WAITALL can fill a whole value in one call.
 
 Callers must treat any exception as "connection state unknown" and close.
 """
@@ -14,6 +28,7 @@ from __future__ import annotations
 
 import socket
 import ssl
+import struct
 
 from kvoffload.tiers.remote.value import (  # noqa: F401 - the statuses are part of this module's API
     BAD_MAC,
@@ -27,6 +42,30 @@ from kvoffload.tiers.remote.value import (  # noqa: F401 - the statuses are part
     ValueCodec,
 )
 _IOV_MAX = 512  # buffers per sendmsg call (Linux allows 1024)
+# Bytes the reply-line buffer asks for per recv: enough for a batch of "+OK"
+# lines and a "$<len>" line, small so that little of a value lands here
+# (copied once more) instead of straight in its slot.
+_READAHEAD = 1024
+
+
+def _socket_of(conn) -> socket.socket:
+    """The connected socket of a redis-py Connection (see the module doc)."""
+    sock = getattr(conn, "_sock", None)
+    if not isinstance(sock, socket.socket):
+        import redis
+
+        raise RuntimeError(f"remote tier: redis-py {redis.__version__} keeps its socket elsewhere "
+                           f"(Connection._sock is {type(sock).__name__}); resp.py needs updating")
+    return sock
+
+
+def _kernel_timeouts(sock: socket.socket, timeout_s: float | None) -> None:
+    """Blocking mode with the timeout enforced by the kernel (see the module doc)."""
+    if timeout_s is not None:
+        tv = struct.pack("@ll", int(timeout_s), int(timeout_s % 1 * 1e6))
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+    sock.settimeout(None)
 
 
 class RawConnection:
@@ -34,14 +73,18 @@ class RawConnection:
         self.codec = codec or ValueCodec()
         conn.connect()  # redis-py: TCP/unix/TLS, AUTH/ACL, SELECT
         self.conn = conn
-        self.sock: socket.socket = conn._sock
-        # SSL sockets have no sendmsg; they take one buffer at a time.
+        self.sock: socket.socket = _socket_of(conn)
+        # SSL sockets have no sendmsg/recvmsg_into and take no recv flags: one buffer at a time.
         self._scatter = not isinstance(self.sock, ssl.SSLSocket)
+        if self._scatter:
+            # a timed-out recv now raises BlockingIOError (an OSError): a network error like before
+            _kernel_timeouts(self.sock, self.sock.gettimeout())
         self._buf = bytearray(1 << 16)
         self._mv = memoryview(self._buf)
         self._r = 0  # read position in _buf
         self._w = 0  # end of valid bytes in _buf
         self._hdr = bytearray(HEADER_BYTES)
+        self._crlf = bytearray(2)
         self.last_error: bytes | None = None  # last error reply, e.g. b"MOVED 12 host:port"
 
     def close(self) -> None:
@@ -73,13 +116,14 @@ class RawConnection:
             self._r = self._w = 0
         elif self._w == len(self._buf):
             if self._r == 0:  # a line longer than the buffer: grow it
+                self._mv.release()  # a bytearray with a live view cannot grow
                 self._buf.extend(bytes(len(self._buf)))
                 self._mv = memoryview(self._buf)
             else:
                 n = self._w - self._r
                 self._buf[:n] = self._buf[self._r : self._w]
                 self._r, self._w = 0, n
-        got = self.sock.recv_into(self._mv[self._w :])
+        got = self.sock.recv_into(self._mv[self._w : self._w + _READAHEAD])
         if got == 0:
             raise ConnectionError("server closed the connection")
         self._w += got
@@ -93,25 +137,47 @@ class RawConnection:
                 return line
             self._fill()
 
-    def _read_into(self, dst: memoryview) -> None:
-        n = len(dst)
-        take = min(self._w - self._r, n)
-        if take:
-            dst[:take] = self._mv[self._r : self._r + take]
-            self._r += take
-        while take < n:
-            got = self.sock.recv_into(dst[take:])
-            if got == 0:
-                raise ConnectionError("server closed the connection mid-value")
-            take += got
+    def _read_into(self, *dsts: memoryview) -> None:
+        """Fill each buffer in turn: first from what the line buffer holds,
+        then from the socket, all the rest in one recvmsg_into if it can."""
+        rest = []
+        for dst in dsts:
+            take = min(self._w - self._r, len(dst))
+            if take:
+                dst[:take] = self._mv[self._r : self._r + take]
+                self._r += take
+            if take < len(dst):
+                rest.append(dst[take:])
+        if self._scatter:
+            while rest:
+                got = self.sock.recvmsg_into(rest, 0, socket.MSG_WAITALL)[0]
+                if got == 0:
+                    raise ConnectionError("server closed the connection mid-value")
+                while rest and got >= len(rest[0]):  # drop filled buffers, trim a partly filled one
+                    got -= len(rest.pop(0))
+                if got:
+                    rest[0] = rest[0][got:]
+            return
+        for dst in rest:
+            take = 0
+            while take < len(dst):
+                got = self.sock.recv_into(dst[take:])
+                if got == 0:
+                    raise ConnectionError("server closed the connection mid-value")
+                take += got
 
     def _skip(self, n: int) -> None:
+        """Discard n bytes (a value not ours): buffered ones, then whole-buffer reads."""
+        take = min(self._w - self._r, n)
+        self._r += take
+        n -= take
         while n:
-            if self._r == self._w:
-                self._fill()
-            take = min(self._w - self._r, n)
-            self._r += take
-            n -= take
+            got = self.sock.recv_into(self._mv[: min(n, len(self._buf))])
+            if got == 0:
+                raise ConnectionError("server closed the connection mid-value")
+            n -= got
+        if self._r == self._w:
+            self._r = self._w = 0
 
     # -- commands -------------------------------------------------------
     def set_many(self, keys: list[bytes], payloads: list[memoryview], ttl_s: int | None = None) -> list[bool]:
@@ -176,12 +242,13 @@ class RawConnection:
             if n != HEADER_BYTES + len(dst):  # truncated or foreign value
                 self._skip(n + 2)
                 return CORRUPT
-            self._read_into(memoryview(self._hdr))
+            # straight into the pool slot, checked in place (a bad value leaves
+            # garbage there, as a failed load may: the slot is not served)
+            self._read_into(memoryview(self._hdr), dst, memoryview(self._crlf))
+            if self._crlf != b"\r\n":
+                raise ConnectionError("GET reply: bulk string not followed by CRLF")
             if not self.codec.shape_ok(self._hdr, len(dst)):
-                self._skip(len(dst) + 2)
                 return CORRUPT
-            self._read_into(dst)  # straight into the pool slot, checked in place
-            self._skip(2)
             return self.codec.verify(key, self._hdr, dst)
         if kind == b"_":  # RESP3 null
             return MISSING

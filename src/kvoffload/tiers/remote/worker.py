@@ -2,6 +2,12 @@
 server on io_threads background threads, each with its own connection
 (one per cluster node in cluster mode).
 
+A load is what a request waits for, a store is background: queued loads
+go before queued stores, and a load of several MiB is split into up to
+io_threads parts (contiguous runs of its chunks) that the threads move at
+once, each on its own connection; the job is reported when its last part
+is done (failed if any part failed). Stores stay whole, one per thread.
+
 A job never raises and never waits longer than the socket timeouts: on a
 network error it fails (the tiering manager turns that into a miss or a
 dropped store), the connection is closed, and the shared back-off keeps
@@ -11,9 +17,9 @@ everyone off the network until it is time to try reconnecting.
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections import deque
 
 import redis
 
@@ -27,11 +33,29 @@ from kvoffload.tiers.remote.resp import RawConnection
 from kvoffload.tiers.remote.state import SharedState
 from kvoffload.tiers.remote.value import RemoteLoadStoreSpec, ValueCodec
 
+# A load is split only into parts of at least this many bytes: below it the
+# hand-off to another thread costs more than the second connection gains.
+MIN_PART_BYTES = 1 << 20
+
 # Values that must go: a later store rewrites the key (SET replaces any type).
 _DELETE = {resp.CORRUPT: "checksum_failures", resp.WRONG_KEY: "wrong_key_values",
            resp.BAD_MAC: "mac_failures", resp.WRONG_TYPE: "wrong_type_keys"}
 
 log = logging.getLogger(__name__)
+
+
+class _Job:
+    """One submitted job, over its parts."""
+
+    __slots__ = ("job_id", "is_store", "blocks", "parts_left", "ok", "start")
+
+    def __init__(self, job_id: int, is_store: bool, blocks: int, parts: int):
+        self.job_id = job_id
+        self.is_store = is_store
+        self.blocks = blocks
+        self.parts_left = parts
+        self.ok = True
+        self.start = time.perf_counter()
 
 
 class RemoteTierWorker(TierWorker):
@@ -44,7 +68,10 @@ class RemoteTierWorker(TierWorker):
         self._cluster = cfg.cluster
         self._cfg = cfg
         self._state = state
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self._queue = threading.Condition()  # guards _loads, _stores, _stopping
+        self._loads: deque = deque()
+        self._stores: deque = deque()
+        self._stopping = False
         self._cond = threading.Condition()
         self._finished: list[TransferResult] = []
         self._in_flight: set[int] = set()
@@ -67,16 +94,44 @@ class RemoteTierWorker(TierWorker):
             self._queued_store_bytes += nbytes
             self._in_flight.add(job_id)
             self._state.worker_queue_blocks += len(slots)
-        self._jobs.put((True, job_id, slots, dst))
+        self._enqueue(self._stores, [(_Job(job_id, True, len(slots), 1), slots, dst)])
         return True
 
     def submit_load(self, job_id: int, src: RemoteLoadStoreSpec, dst: CPULoadStoreSpec) -> bool:
         slots = self._check(dst, src)
+        bounds = self._parts(len(slots))
+        job = _Job(job_id, False, len(slots), len(bounds))
+        if len(bounds) == 1:
+            parts = [(job, slots, src)]
+        else:
+            parts = [(job, slots[a:b], RemoteLoadStoreSpec(src.redis_keys[a:b], src.keys[a:b])) for a, b in bounds]
         with self._cond:
             self._in_flight.add(job_id)
             self._state.worker_queue_blocks += len(slots)
-        self._jobs.put((False, job_id, slots, src))
+        self._enqueue(self._loads, parts)
         return True
+
+    def _parts(self, n: int) -> list[tuple[int, int]]:
+        """[a, b) runs of a load's n chunks, one per thread that can move at
+        least MIN_PART_BYTES of it."""
+        k = max(1, min(len(self._threads), n * self.payload_bytes // MIN_PART_BYTES, n))
+        return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+    def _enqueue(self, q: deque, items: list) -> None:
+        with self._queue:
+            q.extend(items)
+            self._queue.notify(len(items))
+
+    def _take(self):
+        """The next part to move, loads first; None once shut down and drained."""
+        with self._queue:
+            while not (self._loads or self._stores or self._stopping):
+                self._queue.wait()
+            if self._loads:
+                return self._loads.popleft()
+            if self._stores:
+                return self._stores.popleft()
+            return None
 
     def get_finished(self) -> list[TransferResult]:
         with self._cond:
@@ -89,8 +144,9 @@ class RemoteTierWorker(TierWorker):
                 self._cond.wait()
 
     def shutdown(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
+        with self._queue:  # the threads finish what is queued, then end
+            self._stopping = True
+            self._queue.notify_all()
         for t in self._threads:
             t.join(timeout=10)
 
@@ -103,22 +159,25 @@ class RemoteTierWorker(TierWorker):
     # -- IO threads -----------------------------------------------------
     def _run(self) -> None:
         conns: dict[str, RawConnection] = {}
-        while (job := self._jobs.get()) is not None:
-            is_store, job_id, slots, spec = job
-            start = time.perf_counter()
+        while (part := self._take()) is not None:
+            job, slots, spec = part
             ok = False
             try:
-                ok = self._transfer(conns, is_store, slots, spec)
+                ok = self._transfer(conns, job.is_store, slots, spec)
             except Exception:  # noqa: BLE001 - a bug here must fail the job, not kill the thread
-                log.exception("remote %s job %d failed", "store" if is_store else "load", job_id)
-            nbytes = len(slots) * self.payload_bytes
-            result = TransferResult(job_id, ok, nbytes if ok else 0, time.perf_counter() - start)
+                log.exception("remote %s job %d failed", "store" if job.is_store else "load", job.job_id)
             with self._cond:
-                if is_store:
-                    self._queued_store_bytes -= nbytes
                 self._state.worker_queue_blocks -= len(slots)
-                self._in_flight.discard(job_id)
-                self._finished.append(result)
+                job.ok = job.ok and ok
+                job.parts_left -= 1
+                if job.parts_left:
+                    continue
+                nbytes = job.blocks * self.payload_bytes
+                if job.is_store:
+                    self._queued_store_bytes -= nbytes
+                self._in_flight.discard(job.job_id)
+                self._finished.append(TransferResult(job.job_id, job.ok, nbytes if job.ok else 0,
+                                                     time.perf_counter() - job.start))
                 self._cond.notify_all()
         for rc in conns.values():
             rc.close()
