@@ -1,10 +1,16 @@
 """Remote tier benchmark, against references measured in the same run.
 
-1. Bandwidth: the remote worker storing / loading host-pool chunks (one
-   connection, pipelined, zero-copy sends, reads straight into the pool),
-   as a ratio of `redis-benchmark` SET / GET with the same value size, one
-   connection and pipelining, on the same server. redis-py pipelines
-   (copying values into bytes objects) are shown too.
+1. Bandwidth: the remote worker storing / loading host-pool chunks
+   (pipelined, zero-copy sends, reads straight into the pool), as a ratio
+   of `redis-benchmark` SET / GET with the same value size, connection
+   count (--connections: redis-benchmark -c, our io_threads) and pipeline
+   depth (-P; our batch_bytes = P x value size: at most P commands
+   outstanding per connection on both sides), on the same server, in the
+   same run. redis-benchmark's GET is credited only with the GETs that
+   returned a value (see redis_benchmark()). Loads are measured twice: in
+   jobs of P chunks, and as one load job of all the chunks (split over the
+   connections). redis-py pipelines (copying values into bytes objects) are
+   shown too (one connection).
 2. Sharing: the shared Mooncake trace split round-robin across two
    simulated engines (kvoffload's replay engine, in two threads at once),
    each with a small CPU tier, over one remote tier; once with the engines
@@ -20,6 +26,7 @@
     .venv/bin/python benchmarks/bench_remote.py --requests 12031 --plot docs/remote_bench.png
     .venv/bin/python benchmarks/bench_remote.py --skip-bandwidth --skip-replay --mac-cost
     .venv/bin/python benchmarks/bench_remote.py --skip-replay --mooncake   # parts 1 and 4 side by side
+    .venv/bin/python benchmarks/bench_remote.py --skip-replay --connections 1,2,4
 
 4. (--mooncake) The Mooncake Store tier (a real mooncake_master and a
    mooncake_client store node on loopback, values held by the node): our
@@ -58,40 +65,72 @@ TRACE = shared_trace_path()
 
 # ---- 1. bandwidth --------------------------------------------------------------------------
 
-def redis_benchmark(port: int, size: int, n: int, pipeline: int) -> dict[str, float]:
-    """GB/s of redis-benchmark SET and GET with `size`-byte values, one connection."""
-    out = subprocess.run(
-        [find_benchmark_binary(), "-h", "127.0.0.1", "-p", str(port), "-t", "set,get", "-d", str(size),
-         "-n", str(n), "-r", str(n), "-c", "1", "-P", str(pipeline), "--csv"],
-        capture_output=True, text=True, check=True, timeout=600).stdout
-    gbs = {}
-    for line in out.splitlines():
-        cells = [c.strip('"') for c in line.split(",")]
-        if cells[0] in ("SET", "GET"):
-            gbs[cells[0]] = float(cells[1]) * size / 1e9
+def redis_benchmark(port: int, size: int, n: int, pipeline: int, clients: int = 1,
+                    values: HostPool | None = None) -> dict[str, float]:
+    """GB/s of redis-benchmark SET and GET with `size`-byte values over
+    `clients` connections, `pipeline` commands per round each.
+
+    GET is credited only with the bytes it moved: `-r n` picks random keys,
+    and the SET run before it (also `-r n`) leaves only ~63% of the n keys
+    set, so ~37% of a plain `-t set,get` run's GETs answer nil (5 bytes) yet
+    would count as `size` bytes each (the reference this replaced, ~1.6x
+    too high). All n keys (key:000000000000 ...) are set first, untimed,
+    from `values`, and the server's keyspace hits / misses during the GET
+    run give the share of GETs that returned a value (1.0 expected)."""
+    base = [find_benchmark_binary(), "-h", "127.0.0.1", "-p", str(port), "-d", str(size), "-n", str(n),
+            "-r", str(n), "-c", str(clients), "-P", str(pipeline), "--csv"]
+
+    def rps(test: str) -> float:
+        out = subprocess.run(base + ["-t", test], capture_output=True, text=True, check=True, timeout=600).stdout
+        for line in out.splitlines():
+            cells = [c.strip('"') for c in line.split(",")]
+            if cells[0] == test.upper():
+                return float(cells[1])
+        raise RuntimeError(f"redis-benchmark printed no {test.upper()} line: {out[-300:]!r}")
+
+    gbs = {"SET": rps("set") * size / 1e9}
+    r = redis.Redis(port=port)
+    for a in range(0, n, 64):
+        p = r.pipeline(transaction=False)
+        for i in range(a, min(n, a + 64)):
+            p.set(b"key:%012d" % i, values.chunk_memoryview(i % values.array.shape[0])[:size] if values else
+                  b"x" * size)
+        p.execute()
+    before = r.info("stats")
+    get_rps = rps("get")
+    after = r.info("stats")
+    hits = after["keyspace_hits"] - before["keyspace_hits"]
+    misses = after["keyspace_misses"] - before["keyspace_misses"]
+    gbs["hit_share"] = hits / max(1, hits + misses)
+    gbs["GET"] = get_rps * gbs["hit_share"] * size / 1e9
+    r.close()
     return gbs
 
 
-def ours(url: str, pool: HostPool, n: int, batch_chunks: int, **tier_conf) -> dict[str, float]:
-    """GB/s of our worker storing then loading n chunks (jobs of batch_chunks)."""
+def ours(url: str, pool: HostPool, n: int, batch_chunks: int, one_load: bool = False, **tier_conf) -> dict[str, float]:
+    """GB/s of our worker storing then loading n chunks (jobs of batch_chunks;
+    one_load: the load is one job of all n chunks)."""
     ns = Namespace(model="bench", chunk_bytes=pool.used_chunk_bytes)
     tier = RemoteTier({"url": url, "key_prefix": f"bench{time.monotonic_ns()}", **tier_conf}, ns)
-    return drive(tier, pool, n, batch_chunks)
+    return drive(tier, pool, n, batch_chunks, load_chunks=n if one_load else None)
 
 
-def drive(tier, pool: HostPool, n: int, batch_chunks: int, shutdown: bool = True) -> dict[str, float]:
-    """GB/s of a remote-kind tier's worker storing then loading n chunks (jobs of batch_chunks)."""
+def drive(tier, pool: HostPool, n: int, batch_chunks: int, shutdown: bool = True,
+          load_chunks: int | None = None) -> dict[str, float]:
+    """GB/s of a remote-kind tier's worker storing then loading n chunks (jobs
+    of batch_chunks; loads in jobs of load_chunks if given)."""
     worker = tier.get_worker(pool)
     keys = [i.to_bytes(8, "big") + b"\0\0\0\0" for i in range(n)]
     rkeys = tier.keyspace.redis_keys(keys)
-    jobs = [(list(range(a, min(n, a + batch_chunks)))) for a in range(0, n, batch_chunks)]
     res = {}
-    for name, submit in (("store", worker.submit_store), ("load", None)):
+    for name in ("store", "load"):
+        per_job = batch_chunks if name == "store" or not load_chunks else load_chunks
+        jobs = [list(range(a, min(n, a + per_job))) for a in range(0, n, per_job)]
         t0 = time.perf_counter()
         for j, slots in enumerate(jobs):
             spec = RemoteLoadStoreSpec([rkeys[s] for s in slots], [keys[s] for s in slots])
             if name == "store":
-                assert submit(j, CPULoadStoreSpec(slots), spec)
+                assert worker.submit_store(j, CPULoadStoreSpec(slots), spec)
             else:
                 assert worker.submit_load(j, spec, CPULoadStoreSpec(slots))
         worker.wait(set(range(len(jobs))))
@@ -128,47 +167,62 @@ def redis_py(url: str, pool: HostPool, n: int, batch_chunks: int) -> dict[str, f
     return res
 
 
-def bandwidth(srv: LocalServer, sizes: list[int], total: int, repeats: int, pipeline: int) -> list[dict]:
+def bandwidth(srv: LocalServer, sizes: list[int], total: int, repeats: int, pipeline: int,
+              connections: list[int]) -> list[dict]:
+    """Per value size and connection count c: redis-benchmark -c c -P pipeline
+    against our worker with io_threads c and batch_bytes pipeline x size (at
+    most `pipeline` commands outstanding per connection, both sides)."""
     from tqdm import tqdm
 
     rows = []
     flush = redis.Redis(port=srv.port)
-    bar = tqdm(total=len(sizes) * repeats, desc="bandwidth", unit="run")
+    bar = tqdm(total=len(sizes) * len(connections) * repeats, desc="bandwidth", unit="run")
     for size in sizes:
-        n = max(pipeline, total // size)
+        n = max(pipeline * max(connections), total // size)
         pool = HostPool(n, size)
         pool.array[:] = np.random.default_rng(size).integers(0, 256, pool.array.shape, dtype=np.uint8)
         before = pool.array.copy()
-        runs = {"rb_set": [], "rb_get": [], "store": [], "load": [], "py_set": [], "py_get": []}
-        for _ in range(repeats):
-            flush.flushall()
-            rb = redis_benchmark(srv.port, size, n, pipeline)
-            flush.flushall()
-            o = ours(srv.url, pool, n, pipeline)
-            assert np.array_equal(pool.array, before), "loaded bytes differ"
-            flush.flushall()
-            py = redis_py(srv.url, pool, n, pipeline)
-            pool.array[:] = before
-            for k, v in (("rb_set", rb["SET"]), ("rb_get", rb["GET"]), ("store", o["store"]),
-                         ("load", o["load"]), ("py_set", py["SET"]), ("py_get", py["GET"])):
-                runs[k].append(v)
-            bar.update()
+        for c in connections:
+            conf = {"io_threads": c, "batch_bytes": pipeline * size}
+            runs = {k: [] for k in ("rb_set", "rb_get", "hit_share", "store", "load", "one_load", "py_set", "py_get")}
+            for _ in range(repeats):
+                flush.flushall()
+                rb = redis_benchmark(srv.port, size, n, pipeline, c, pool)
+                flush.flushall()
+                o = ours(srv.url, pool, n, pipeline, **conf)
+                assert np.array_equal(pool.array, before), "loaded bytes differ"
+                flush.flushall()
+                one = ours(srv.url, pool, n, pipeline, one_load=True, **conf)
+                assert np.array_equal(pool.array, before), "loaded bytes differ"
+                flush.flushall()
+                py = redis_py(srv.url, pool, n, pipeline) if c == 1 else {"SET": float("nan"), "GET": float("nan")}
+                pool.array[:] = before
+                for k, v in (("rb_set", rb["SET"]), ("rb_get", rb["GET"]), ("hit_share", rb["hit_share"]),
+                             ("store", o["store"]), ("load", o["load"]), ("one_load", one["load"]),
+                             ("py_set", py["SET"]), ("py_get", py["GET"])):
+                    runs[k].append(v)
+                bar.update()
+            rows.append({"size": size, "n": n, "c": c, **{k: statistics.median(v) for k, v in runs.items()},
+                         "load_ratios": [o / r for o, r in zip(runs["load"], runs["rb_get"])]})
         pool.close()
-        rows.append({"size": size, "n": n, **{k: statistics.median(v) for k, v in runs.items()}})
     bar.close()
     flush.flushall()
     return rows
 
 
 def print_bandwidth(rows: list[dict], pipeline: int) -> None:
-    print(f"\nBandwidth, GB/s (median; one connection, {pipeline} values per pipeline round)")
-    print("| value | redis-benchmark SET | ours store | ratio | redis-benchmark GET | ours load | ratio "
-          "| redis-py SET / GET |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print(f"\nBandwidth, GB/s (median; c connections, at most {pipeline} commands outstanding per connection; "
+          f"redis-benchmark GET credited only with the GETs that returned a value)")
+    print("| value | c | redis-benchmark SET | ours store | ratio | redis-benchmark GET (hit share) | ours load "
+          "| ratio | ours one load job | ratio | redis-py SET / GET |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['size'] >> 10} KiB | {r['rb_set']:.2f} | {r['store']:.2f} | {r['store'] / r['rb_set']:.2f} "
-              f"| {r['rb_get']:.2f} | {r['load']:.2f} | {r['load'] / r['rb_get']:.2f} "
+        print(f"| {r['size'] >> 10} KiB | {r['c']} | {r['rb_set']:.2f} | {r['store']:.2f} | "
+              f"{r['store'] / r['rb_set']:.2f} | {r['rb_get']:.2f} ({r['hit_share']:.2f}) | {r['load']:.2f} "
+              f"| {r['load'] / r['rb_get']:.2f} | {r['one_load']:.2f} | {r['one_load'] / r['rb_get']:.2f} "
               f"| {r['py_set']:.2f} / {r['py_get']:.2f} |")
+    print("per-run load / redis-benchmark GET ratios: " + "; ".join(
+        f"{r['size'] >> 10} KiB c={r['c']}: " + ", ".join(f"{x:.2f}" for x in r["load_ratios"]) for r in rows))
 
 
 # ---- 3. cost of the MAC ----------------------------------------------------------------------
@@ -317,7 +371,7 @@ def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int,
 
 
 def print_mooncake(rows: list[dict], batch: int, redis_rows: list[dict] | None) -> None:
-    redis_by_size = {r["size"]: r for r in redis_rows or []}
+    redis_by_size = {r["size"]: r for r in redis_rows or [] if r.get("c", 1) == 1}
     print(f"\nMooncake tier, GB/s (median; values held by a store node over loopback TCP, {batch} values per "
           f"batched call)")
     print("| value | Mooncake batch_put_from | ours store | ratio | Mooncake batch_get_into | ours load | ratio "
@@ -430,6 +484,7 @@ def plot(rows: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = [r for r in rows if r.get("c", 1) == 1]
     x = np.arange(len(rows))
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for ax, (title, ref, mine, py) in zip(axes, (("store (SET)", "rb_set", "store", "py_set"),
@@ -461,6 +516,8 @@ def main(argv=None) -> int:
     ap.add_argument("--total", default="256MiB", help="bytes moved per size and run")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--pipeline", type=int, default=16, help="values per pipeline round (redis-benchmark -P)")
+    ap.add_argument("--connections", default="1", help="connection counts to measure, e.g. 1,2,4 (redis-benchmark "
+                    "-c; our io_threads)")
     ap.add_argument("--trace", default=str(TRACE.resolve()))
     ap.add_argument("--requests", type=int, default=2000, help="trace requests replayed (12031: all)")
     ap.add_argument("--cpu-share", type=float, default=0.05, help="CPU tier per engine, share of unique blocks")
@@ -486,7 +543,8 @@ def main(argv=None) -> int:
     with LocalServer(maxmemory="3gb") as srv:
         print(f"server: {srv.binary} on 127.0.0.1:{srv.port}, no persistence, allkeys-lru")
         if not args.skip_bandwidth:
-            rows = bandwidth(srv, sizes, parse_bytes(args.total, "--total"), args.repeats, args.pipeline)
+            rows = bandwidth(srv, sizes, parse_bytes(args.total, "--total"), args.repeats, args.pipeline,
+                             [int(c) for c in args.connections.split(",")])
             print_bandwidth(rows, args.pipeline)
             if args.plot:
                 plot(rows, args.plot)

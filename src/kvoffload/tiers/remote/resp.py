@@ -207,13 +207,16 @@ class RawConnection:
         """GET each key into its destination buffer, verifying the header,
         checksum, key binding and MAC. Returns a status per key: OK, MISSING,
         CORRUPT, WRONG_KEY, BAD_MAC, WRONG_TYPE or ERROR.
-        GETs go out one window ahead of the replies being read, so the
-        server works while we copy, and its output buffer stays bounded."""
+        GETs go out in windows of half of batch_bytes, one window ahead of
+        the replies being read: the server works while we read and check,
+        and at most about batch_bytes of replies are outstanding (the same
+        depth as a store round's)."""
+        window_bytes = max(1, batch_bytes // 2)
         windows = []
         start, size = 0, 0
         for i, d in enumerate(dsts):
             size += len(d)
-            if size >= batch_bytes:
+            if size >= window_bytes:
                 windows.append((start, i + 1))
                 start, size = i + 1, 0
         if start < len(keys):
