@@ -32,6 +32,7 @@ from kvoffload.policies.lru import LRUPolicy  # noqa: E402
 register_policy("lru", LRUPolicy)
 register_policy("arc", ARCPolicy)
 
+from kvoffload.policies.chain import ChainPolicy  # noqa: E402
 from kvoffload.policies.prefix import PrefixAwarePolicy  # noqa: E402
 from kvoffload.policies.s3fifo import S3FIFOPolicy  # noqa: E402
 from kvoffload.policies.sieve import SIEVEPolicy  # noqa: E402
@@ -39,6 +40,7 @@ from kvoffload.policies.sieve import SIEVEPolicy  # noqa: E402
 register_policy("s3fifo", S3FIFOPolicy)
 register_policy("sieve", SIEVEPolicy)
 register_policy("prefix", PrefixAwarePolicy)
+register_policy("chain", ChainPolicy)
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy", "S3FIFOPolicy", "SIEVEPolicy", "PrefixAwarePolicy",
+__all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy", "S3FIFOPolicy", "SIEVEPolicy", "PrefixAwarePolicy", "ChainPolicy",
            "register_policy", "get_policy_class", "policy_names"]

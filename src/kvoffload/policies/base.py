@@ -46,6 +46,15 @@ class EvictionPolicy(ABC):
         request's batches end up tail-oldest. Default: nothing (a policy
         that counts uses must not see this as one)."""
 
+    def admit(self, keys: list[bytes], free: int, ctx: ReqContext | None,
+              can_evict: Callable[[bytes], bool]) -> int:
+        """Optional admission: how many of a store's new keys (prefix order,
+        head first; `free` slots are free) to store, a head of them; the
+        manager then evicts for those alone and leaves the rest unstored.
+        Called before evict() of the same store; may prepare that evict.
+        Not overriding it (the default) means: all, and no call at all."""
+        return len(keys)
+
     @abstractmethod
     def remove(self, key: bytes) -> None:
         """Stop tracking a key (no-op if unknown)."""
@@ -60,3 +69,9 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def __contains__(self, key: object) -> bool: ...
+
+
+def admission_of(policy: EvictionPolicy):
+    """The policy's bound admit method, or None when it keeps the default
+    (the manager then skips the call: no cost for policies without one)."""
+    return None if type(policy).admit is EvictionPolicy.admit else policy.admit

@@ -41,6 +41,7 @@ from kvoffload.hints import COUNTER as BAD_HINTS
 from kvoffload.hints import request_hints
 from kvoffload.keys import GROUP_BYTES, check_key
 from kvoffload.policies import get_policy_class
+from kvoffload.policies.base import admission_of
 
 PENDING = -1
 _FINISHED = ((), (), False)  # request record after on_request_finished: record nothing more
@@ -112,6 +113,7 @@ class CPUOffloadingManager(OffloadingManager):
         self.medium = medium
         self.locality = locality
         self.policy = get_policy_class(policy)(num_chunks)
+        self._admit = admission_of(self.policy)
         # Bytes per chunk, for the *_bytes counters; set by the spec (0: unknown).
         self.chunk_bytes = 0
         self._slot_of: dict[bytes, int] = {}
@@ -256,18 +258,26 @@ class CPUOffloadingManager(OffloadingManager):
             if len(new) > 1:
                 new = list(dict.fromkeys(new))  # a key listed twice gets one slot
         free = self._free
+        admit = self._admit
         evicted: list[bytes] = []
         need = len(new) - len(free)
-        if need > 0:
+        if need > 0 or (admit is not None and new):
             if len(new) < len(keys):  # the store's own stored keys stay
                 self._protected.update([k for k in keys if k in slot_of])
             try:
-                victims = self.policy.evict(need, self._can_evict)
+                if admit is not None and new:
+                    # the policy may store only a head of them (a prefix's next blocks)
+                    n = admit(new, len(free), req_context, self._can_evict)
+                    if n < len(new):
+                        new = new[:n]
+                        need = n - len(free)
+                victims = self.policy.evict(need, self._can_evict) if need > 0 else []
             finally:
                 self._protected.clear()
             if victims is None:
                 self._allocation_failures += 1
                 return None
+        if need > 0:
             evicted = victims
             state = self._state
             for k in victims:
@@ -402,6 +412,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._slot_of.clear()
         self._num_pinned = self._num_pending = 0
         self.policy = type(self.policy)(self.num_chunks)
+        self._admit = admission_of(self.policy)
         if removed and self._events is not None:
             self._events.append(OffloadingEvent(removed, self.medium, True, self.locality))
 

@@ -1,0 +1,172 @@
+"""Eviction policies x workloads x capacities through the real CPU manager.
+
+A fast stand-in for `kvoffload replay` (no byte copies, no engine): per
+request, in arrival order, lookups up to the first miss, load of the hits,
+stores of the rest of the prompt in batches of --step-blocks (then the
+decode blocks), each completed at once, then on_request_finished (where the
+manager commits recency, as vLLM 0.33 does). Every key's end-token position
+is set on the request context, as vLLM's connector does. Belady (offline
+optimum) at the same capacity is the yardstick.
+
+Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
+  agentic-tune    trace_0318..0329 (12 conversations), 60 s stagger
+  agentic-judge   trace_0300..0311 (12 conversations: issue 17's setting)
+  agentic-rest    trace_0312..0317
+  agentic-all     all 30, 60 s stagger; agentic-all-s0 / -s600: stagger 0 / 600 s
+  chat-tune       generated chat, seed 0, 2000 sessions;  chat-judge: seed 1
+  mooncake        the Mooncake conversation trace
+  scan            a hot set of chat sessions cut by one long scan of never-reused blocks
+  oneshot         many short one-shot prompts (shared 4-block preamble) among chat sessions
+  systail         one shared system prompt, a long tail of users with 1-3 turns each
+
+    .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --fractions 0.01 --policies lru chain
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+ROOT = Path(__file__).resolve().parent.parent
+TRACES = Path(os.environ.get("KVOFFLOAD_TRACES", ROOT.parent / "shared" / "traces"))
+AGENTIC = TRACES / "agentic"
+
+# A request: (prompt keys, decode keys), prefix order.
+Req = tuple[list[bytes], list[bytes]]
+
+
+def _key(h: int) -> bytes:
+    return (h & (2**64 - 1)).to_bytes(8, "big") + b"\0\0\0\0"
+
+
+class _Ids:
+    def __init__(self):
+        self.n = 1 << 40
+
+    def take(self, k: int) -> list[bytes]:
+        self.n += k
+        return [_key(self.n - k + i) for i in range(k)]
+
+
+def _sessions(rng, ids: _Ids, n: int, sys_blocks: list[bytes] | None = None, turns=(1, 8),
+              grow=(1, 8)) -> list[list[list[bytes]]]:
+    out = []
+    for _ in range(n):
+        ctx = list(sys_blocks) if sys_blocks is not None else ids.take(int(rng.integers(4, 40)))
+        turns_ = []
+        for _ in range(int(rng.integers(turns[0], turns[1] + 1))):
+            ctx = ctx + ids.take(int(rng.integers(grow[0], grow[1] + 1)))
+            turns_.append(ctx)
+        out.append(turns_)
+    return out
+
+
+def _interleave(rng, sessions: list[list[list[bytes]]], gap: float = 40.0) -> list[Req]:
+    """Sessions start one per time unit; turns follow after exponential gaps."""
+    events = []
+    for s, turns in enumerate(sessions):
+        t = float(s)
+        for prompt in turns:
+            events.append((t, s, prompt))
+            t += float(rng.exponential(gap))
+    events.sort(key=lambda e: (e[0], e[1]))
+    return [(p, []) for _, _, p in events]
+
+
+def scan() -> list[Req]:
+    rng, ids = np.random.default_rng(11), _Ids()
+    reqs = _interleave(rng, _sessions(rng, ids, 1500))
+    cut = len(reqs) // 2
+    long_scan = [(ids.take(64), []) for _ in range(400)]  # 25,600 blocks read once, 64 per request
+    return reqs[:cut] + long_scan + reqs[cut:]
+
+
+def oneshot() -> list[Req]:
+    rng, ids = np.random.default_rng(12), _Ids()
+    pre = ids.take(4)
+    reqs = _interleave(rng, _sessions(rng, ids, 800))
+    out: list[Req] = []
+    for r in reqs:
+        out.append(r)
+        for _ in range(3):
+            out.append((pre + ids.take(int(rng.integers(1, 12))), []))
+    return out
+
+
+def systail() -> list[Req]:
+    rng, ids = np.random.default_rng(13), _Ids()
+    system = ids.take(48)
+    return _interleave(rng, _sessions(rng, ids, 4000, sys_blocks=system, turns=(1, 3), grow=(2, 16)))
+
+
+WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "agentic-all-s0", "agentic-all-s600",
+             "chat-tune", "chat-judge", "mooncake", "scan", "oneshot", "systail"]
+
+
+def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
+    """Mooncake-format JSONL (hash_ids, 512-token blocks) that `kvoffload replay` reads."""
+    with open(path, "w") as f:
+        for i, (prompt, _) in enumerate(reqs):
+            ids = [int.from_bytes(k[:8], "big") for k in prompt]
+            f.write(json.dumps({"timestamp": round(i * gap_ms), "input_length": 512 * len(ids),
+                                "output_length": 1, "hash_ids": ids}) + "\n")
+
+
+GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail}
+
+
+def replay_args(name: str, out_dir: Path) -> list[str]:
+    """The `kvoffload replay` workload arguments of a table row."""
+    if name.startswith("agentic-"):
+        part, _, stagger = name[len("agentic-"):].partition("-s")
+        first, last = {"tune": (318, 329), "judge": (300, 311), "rest": (312, 317), "all": (300, 329)}[part]
+        d = out_dir / f"agentic_{first}_{last}"
+        d.mkdir(parents=True, exist_ok=True)
+        for i in range(first, last + 1):
+            link = d / f"trace_{i:04d}.json"
+            if not link.exists():
+                os.symlink(AGENTIC / link.name, link)
+        return [str(d), "--stagger", stagger or "60"]
+    if name.startswith("chat-"):
+        return ["--sessions", "2000", "--seed", "0" if name == "chat-tune" else "1"]
+    if name == "mooncake":
+        return [str(TRACES / "mooncake_conversation_trace.jsonl")]
+    path = out_dir / f"{name}.jsonl"
+    if not path.exists():
+        write_jsonl(GENERATED[name](), path)
+    return [str(path)]
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
+    ap.add_argument("--sweep", default="1%,5%,10%")
+    ap.add_argument("--policies", nargs="+", default=["lru", "arc", "chain"])
+    ap.add_argument("--out", type=Path, default=ROOT / "out" / "policy_workloads")
+    args = ap.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    for w in args.workloads:
+        for p in args.policies:
+            dest = args.out / f"{w}__{p}.json"
+            cmd = [sys.executable, "-m", "kvoffload.cli", "replay", *replay_args(w, args.out), "--sweep",
+                   args.sweep, "--policy", p, "--no-progress", "--json", str(dest)]
+            if p == args.policies[0]:
+                cmd.append("--oracle")
+            t0 = time.time()
+            subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+            rates = [r["summary"]["offload_prefix_hit_rate"] for r in json.loads(dest.read_text())]
+            print(f"{w:18s} {p:6s} " + " ".join(f"{x:.4f}" for x in rates) + f"  ({time.time() - t0:.0f} s)",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

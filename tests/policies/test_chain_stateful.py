@@ -1,0 +1,161 @@
+"""Hypothesis state machine: the CPU manager with the `chain` policy.
+
+`chain` may store only a head of a store's new keys (its admission), so the
+verdicts differ from LRU's; the manager contract must hold all the same:
+- pinned keys (loads in flight) and keys being written are never evicted;
+- a store evicts none of the keys it names, nor any key of its own request
+  (the prefix it just read);
+- what is stored is a head of the new keys, in prefix order; once a
+  request's store was cut, its later stores store nothing (a block after a
+  hole is useless);
+- a refused store (None) changes nothing;
+- the manager's slots, the policy's keys and the gauges match a plain model.
+"""
+
+from collections import Counter
+
+import hypothesis.strategies as st
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvoffload.abstractions import ReqContext
+from kvoffload.keys import make_offload_key
+from kvoffload.tiers.cpu.manager import CPUOffloadingManager
+
+CAPACITY = 5
+KEYS = [make_offload_key(i.to_bytes(4, "big"), 0) for i in range(12)]
+picks = st.integers(0, 1000)
+
+
+class ChainMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.m = CPUOffloadingManager(CAPACITY, "chain")
+        self.state: dict[bytes, str] = {}  # key -> "pending" | "ready"
+        self.pins: Counter[bytes] = Counter()
+        self.stores: list[list[bytes]] = []
+        self.loads: list[list[bytes]] = []
+        self.ctx, self.own, self.cut = None, [], False
+        self.new_request(0, 4)
+
+    @rule(start=st.integers(0, 11), length=st.integers(1, 12))
+    def new_request(self, start, length):
+        """A request reads KEYS[start:start+length] (its prefix, in order)."""
+        if self.ctx is not None:
+            self.m.on_request_finished(self.ctx)
+        self.ctx = ReqContext(f"r{start}-{length}")
+        self.own = KEYS[start:start + length]
+        for i, k in enumerate(self.own):
+            self.ctx.set_offload_key_position(k, (i + 1) * 16)
+        self.cut = False
+        self.m.on_new_request(self.ctx)
+
+    def snapshot(self):
+        m = self.m
+        return (dict(m._slot_of), list(m._state), list(m._free), len(m.policy), m._num_pinned)
+
+    @rule(a=picks, b=picks)
+    def prepare_store(self, a, b):
+        """Stores continue the request's prefix (a slice of it, head first)."""
+        lo = a % len(self.own)
+        keys = self.own[lo:lo + 1 + b % 4]
+        new = [k for k in keys if k not in self.state]
+        before = self.snapshot()
+        out = self.m.prepare_store(keys, self.ctx)
+        if out is None:
+            assert self.snapshot() == before
+            return
+        stored = out.keys_to_store
+        assert stored == new[:len(stored)], "stored keys are not a head of the new keys"
+        if self.cut:
+            assert not stored, "a request stored more after its store was cut"
+        if len(stored) < len(new):
+            self.cut = True
+        for k in out.evicted_keys:
+            assert self.state[k] == "ready" and not self.pins[k], "evicted a pinned or pending key"
+            assert k not in keys and k not in self.own, "evicted a key of its own request"
+            del self.state[k]
+        for k in stored:
+            self.state[k] = "pending"
+        if stored:
+            self.stores.append(stored)
+
+    @precondition(lambda self: self.stores)
+    @rule(i=picks, success=st.booleans())
+    def complete_store(self, i, success):
+        keys = self.stores.pop(i % len(self.stores))
+        self.m.complete_store(set(keys), self.ctx, success=success)
+        for k in keys:
+            if success:
+                self.state[k] = "ready"
+            else:
+                del self.state[k]
+
+    @rule(n=st.integers(1, 12))
+    def load_prefix(self, n):
+        """Load the request's leading run of ready keys (as the scheduler does)."""
+        run = []
+        for k in self.own[:n]:
+            if self.state.get(k) != "ready":
+                break
+            run.append(k)
+        if run:
+            self.m.prepare_load(run, self.ctx)
+            self.pins.update(run)
+            self.loads.append(run)
+
+    @precondition(lambda self: self.loads)
+    @rule(i=picks)
+    def complete_load(self, i):
+        keys = self.loads.pop(i % len(self.loads))
+        self.m.complete_load(keys, self.ctx)
+        self.pins.subtract(keys)
+
+    @rule(keys=st.lists(st.sampled_from(KEYS), min_size=1, max_size=4))
+    def store_without_context(self, keys):
+        """No context: no structure known, so no admission (plain LRU)."""
+        new = list(dict.fromkeys(k for k in keys if k not in self.state))
+        evictable = [k for k, s in self.state.items() if s == "ready" and not self.pins[k] and k not in keys]
+        fits = len(new) - (CAPACITY - len(self.state)) <= len(evictable)
+        before = self.snapshot()
+        out = self.m.prepare_store(keys, None)
+        assert (out is not None) == fits
+        if out is None:
+            assert self.snapshot() == before
+            return
+        assert out.keys_to_store == new
+        for k in out.evicted_keys:
+            assert k in evictable
+            del self.state[k]
+        for k in new:
+            self.state[k] = "pending"
+        if new:
+            self.stores.append(new)
+
+    @rule()
+    def reset_cache(self):
+        if self.loads or self.stores:
+            return  # the fenced-slot rules are the generic machine's (test_cpu_manager_stateful)
+        self.m.reset_cache()  # a fresh policy: the request's cut is forgotten with the rest
+        self.state.clear()
+        self.cut = False
+
+    @invariant()
+    def bookkeeping_matches_model(self):
+        m = self.m
+        assert set(m._slot_of) == set(self.state)
+        slots = list(m._slot_of.values())
+        assert len(set(slots)) == len(slots)
+        assert sorted(slots + m._free + m._fenced) == list(range(CAPACITY))
+        ready = {k for k, s in self.state.items() if s == "ready"}
+        assert {k for k in KEYS if k in m.policy} == ready and len(m.policy) == len(ready)
+        for k, s in self.state.items():
+            assert m._state[m._slot_of[k]] == (-1 if s == "pending" else self.pins[k])
+        g = m.get_stats().gauges
+        assert g["pinned_blocks"] == sum(1 for k in self.state if self.pins[k])
+        assert g["used_blocks"] == len(self.state)
+
+
+TestChainManager = ChainMachine.TestCase
+TestChainManager.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                     suppress_health_check=[HealthCheck.too_slow])
