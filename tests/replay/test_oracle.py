@@ -45,8 +45,9 @@ def test_tiered_oracle_also_at_all_tiers_capacity():
     from kvoffload.replay.oracle import replay_oracles
 
     cpu_only = replay_oracles(TRACE, {"cpu": _tier(1)}, 99)
-    assert cpu_only == {"capacity_blocks": 1, "lru": simulate(TRACE, 1, "lru").hit_rate,
-                        "belady": simulate(TRACE, 1, "belady").hit_rate}
+    b1 = simulate(TRACE, 1, "belady").hit_rate
+    assert cpu_only == {"capacity_blocks": 1, "lru": simulate(TRACE, 1, "lru").hit_rate, "belady": b1,
+                        "per_tier": {"cpu": {"capacity_blocks": 1, "belady": b1}}}
     tiered = replay_oracles(TRACE, {"tiered": _tier(None, True), "cpu": _tier(1), "storage": _tier(2)}, 99)
     assert tiered["capacity_blocks"] == 1 and tiered["lru"] == cpu_only["lru"]
     assert tiered["all_tiers_capacity_blocks"] == 3

@@ -134,18 +134,35 @@ def simulate_belady(requests: Sequence[Sequence[int]], capacity: int,
     return OracleResult("belady", capacity, sum(len(b) for b in requests), hits)
 
 
-def replay_oracles(requests: Sequence[Sequence[int]], tiers: dict, fallback_capacity: int) -> dict[str, float]:
+def replay_oracles(requests: Sequence[Sequence[int]], tiers: dict, fallback_capacity: int) -> dict:
     """The yardsticks printed beside a replay: LRU and Belady at the first
     (CPU) tier's capacity and, when there are lower tiers of known capacity,
     also at all tiers' capacity together (one cache as large as the tiers:
-    what a tiered run should be held to, an upper bound for any hierarchy)."""
-    leaves = [t for t in tiers.values() if not t.get("composite")]
-    caps = [t["gauges"].get("capacity_blocks") for t in leaves]
+    what a tiered run should be held to, an upper bound for any hierarchy).
+    "per_tier": for each tier, Belady at the capacity of that tier and the
+    tiers above it together (what the tiers down to it could serve at best:
+    the headroom the report shows); it stops at a tier of unknown size."""
+    leaves = {n: t for n, t in tiers.items() if not t.get("composite")}
+    caps = [t["gauges"].get("capacity_blocks") for t in leaves.values()]
     cap = int(caps[0] if caps and caps[0] else fallback_capacity)
-    out = {"capacity_blocks": cap, "lru": simulate(requests, cap, "lru").hit_rate,
-           "belady": simulate(requests, cap, "belady").hit_rate}
+    belady: dict[int, float] = {}
+
+    def opt(c: int) -> float:
+        if c not in belady:
+            belady[c] = simulate(requests, c, "belady").hit_rate
+        return belady[c]
+
+    out: dict = {"capacity_blocks": cap, "lru": simulate(requests, cap, "lru").hit_rate, "belady": opt(cap)}
     if len(leaves) > 1 and all(caps):
         total = int(sum(caps))
         out.update(all_tiers_capacity_blocks=total, all_tiers_lru=simulate(requests, total, "lru").hit_rate,
-                   all_tiers_belady=simulate(requests, total, "belady").hit_rate)
+                   all_tiers_belady=opt(total))
+    per_tier, total = {}, 0
+    for i, (name, c) in enumerate(zip(leaves, caps)):
+        c = c or (cap if i == 0 else None)
+        if not c:
+            break
+        total += int(c)
+        per_tier[name] = {"capacity_blocks": total, "belady": opt(total)}
+    out["per_tier"] = per_tier
     return out

@@ -65,7 +65,8 @@ def summary(r: ReplayResult) -> dict[str, Any]:
     }
     s["tiers"] = tier_rows(r)
     for k, v in r.oracle.items():
-        s[f"oracle:{k}"] = v
+        if k != "per_tier":  # shown per tier
+            s[f"oracle:{k}"] = v
     return s
 
 
@@ -90,6 +91,8 @@ def tier_rows(r: ReplayResult) -> dict[str, dict[str, Any]]:
     promoted = c.get("offload_hit_blocks_promoted", 0)
     lower = sum(leaves[n]["counters"].get("promoted_blocks", 0) for n in names[1:])
     out = {}
+    per_tier = r.oracle.get("per_tier") or {}
+    served_above = 0.0  # blocks the tiers above this one served
     for name, t in leaves.items():
         tc = t["counters"]
         if len(leaves) == 1:
@@ -109,6 +112,12 @@ def tier_rows(r: ReplayResult) -> dict[str, dict[str, Any]]:
                                   "promoted_blocks", "evictions", "allocation_failures", "dropped_stores",
                                   "checksum_failures") if k in tc},
         }
+        served_above += served
+        if name in per_tier:  # how far from the best any policy could do with these tiers
+            opt = per_tier[name]
+            out[name]["belady_capacity_blocks"] = opt["capacity_blocks"]
+            out[name]["belady_prefix_hit_rate"] = opt["belady"]
+            out[name]["belady_headroom"] = opt["belady"] - _rate(served_above, refs)
     return out
 
 
@@ -149,6 +158,14 @@ def _rows(r: ReplayResult) -> list[tuple[str, str]]:
                      f"{tier['lookup_hit_rate']:.4f}), capacity "
                      f"{_fmt(int(cap)) + ' blocks' if cap else 'n/a'}, stored {_fmt(tier.get('stored_blocks', 0))}, "
                      f"evictions {_fmt(tier.get('evictions', 0))}"))
+        if "belady_headroom" in tier:
+            scope = f"tier {name}" if len(s["tiers"]) == 1 else f"tiers down to {name} together"
+            rows.append((f"    vs Belady at {_fmt(int(tier['belady_capacity_blocks']))} blocks",
+                         f"{tier['belady_prefix_hit_rate']:.4f}: headroom {tier['belady_headroom']:.4f} "
+                         f"({policy} on {scope}: "
+                         f"{tier['belady_prefix_hit_rate'] - tier['belady_headroom']:.4f})"))
+    if not r.oracle and s["tiers"]:
+        rows.append(("  vs Belady", "add --oracle to see each tier's distance from the optimum"))
     if r.oracle:
         o_ = r.oracle
         scope = "CPU tier alone, " if "all_tiers_capacity_blocks" in o_ else ""
