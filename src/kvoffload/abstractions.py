@@ -182,6 +182,9 @@ class OffloadingEvent:
     # Name of the secondary tier that owns these keys; None for the primary.
     ownership: str | None = None
     removal_expected: bool = False
+    # A failed store's cleanup (removed=True): the keys were never readable,
+    # so nothing is announced; vLLM 0.33's event tracker drops their payload.
+    metadata_only: bool = False
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,8 @@ Managers report OffloadingStats (counter deltas + gauges, nested per tier);
 workers report TransferResults. PrometheusMetrics turns both into labelled
 prometheus_client series (labels: tier, medium, locality; transfers also by
 direction), on a registry of your choice: its own, the default one, or the
-engine's (pass `registry=`), and can serve them over HTTP.
+engine's (pass `registry=`), and can serve them over HTTP. Alongside, vLLM's
+own names for what we share with its native offloading (metrics_vllm).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from kvoffload.abstractions import (
     OffloadingMetricMetadata,
     OffloadingStats,
 )
+from kvoffload import metrics_vllm
 
 PREFIX = "kvoffload_"
 TIER_LABELS = ("tier", "medium", "locality")
@@ -46,6 +48,8 @@ GAUGES = {
     "pinned_blocks": "Blocks pinned by in-flight loads or stores",
     "usage": "Share of the tier's capacity in use (0..1)",
     "queue_depth": "Transfer jobs queued or in flight",
+    "pending_blocks": "Blocks reserved by stores not yet complete",
+    "fenced_blocks": "Freed blocks held back until in-flight jobs of a cache reset finished",
 }
 BYTES_BUCKETS = tuple(float(2**i) for i in range(12, 33, 2))  # 4 KiB .. 4 GiB
 SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)
@@ -69,7 +73,7 @@ def build_metric_definitions(extra_config: dict[str, Any] | None = None) -> dict
 class PrometheusMetrics:
     """prometheus_client series fed from OffloadingStats and TransferResults."""
 
-    def __init__(self, registry=None, config_info: dict[str, Any] | None = None):
+    def __init__(self, registry=None, config_info: dict[str, Any] | None = None, vllm_names: bool = True):
         try:
             import prometheus_client as prom
         except ImportError as e:
@@ -81,6 +85,13 @@ class PrometheusMetrics:
             if full == PREFIX + "config":
                 continue
             self._series[full] = self._make(full, meta)
+        self.vllm_names = vllm_names
+        if vllm_names:
+            for full, meta in metrics_vllm.definitions(inside_vllm=False).items():
+                self._series[full] = self._make(full, meta)
+            for tt in metrics_vllm.TRANSFER_TYPE.values():  # both directions from the start, as vLLM
+                for n in (metrics_vllm.TOTAL_BYTES, metrics_vllm.TOTAL_TIME, metrics_vllm.SIZE):
+                    self._series[n].labels(tt)
         if config_info:
             info = prom.Info(PREFIX + "config", "Configuration of this instance", registry=self.registry)
             info.info({k: str(v) for k, v in sorted(config_info.items())})
@@ -114,10 +125,18 @@ class PrometheusMetrics:
             labels = (st.tier, st.medium.value if st.medium else "",
                       st.locality.value if st.locality else "")
             for name, delta in st.counters.items():
+                child = self._series_for(name, True).labels(*labels)  # a 0 series from the start
                 if delta:
-                    self._series_for(name, True).labels(*labels).inc(delta)
+                    child.inc(delta)
             for name, value in st.gauges.items():
                 self._series_for(name, False).labels(*labels).set(value)
+        if self.vllm_names:
+            for name, labels, value, counter in metrics_vllm.from_stats(stats, inside_vllm=False):
+                child = self._series[name].labels(*labels) if labels else self._series[name]
+                if not counter:
+                    child.set(value)
+                elif value:
+                    child.inc(value)
 
     def observe_transfer(self, tier: str, direction: str, nbytes: int | None, seconds: float | None,
                          medium: str = "", locality: str = "") -> None:
@@ -126,6 +145,17 @@ class PrometheusMetrics:
             self._series[PREFIX + "transfer_bytes"].labels(*labels).observe(nbytes)
         if seconds is not None:
             self._series[PREFIX + "transfer_seconds"].labels(*labels).observe(seconds)
+        tt = metrics_vllm.TRANSFER_TYPE.get(direction)
+        if self.vllm_names and tt is not None:  # GPU <-> CPU, under vLLM's names
+            b, t, s = (self._series[n] for n in metrics_vllm.transfer_names(direction))
+            if nbytes is not None:
+                b.inc(nbytes)
+                s.observe(nbytes)
+                self._series[metrics_vllm.TOTAL_BYTES].labels(tt).inc(nbytes)
+                self._series[metrics_vllm.SIZE].labels(tt).observe(nbytes)
+            if seconds is not None:
+                t.inc(seconds)
+                self._series[metrics_vllm.TOTAL_TIME].labels(tt).inc(seconds)
 
     def serve(self, port: int = 0, addr: str = "127.0.0.1") -> int:
         """Serve /metrics over HTTP in a background thread; returns the port."""

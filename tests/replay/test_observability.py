@@ -7,7 +7,7 @@ import zmq
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvoffload.abstractions import LookupResult, ReqContext
-from kvoffload.events import ZmqEventPublisher, decode_batch
+from kvoffload.events import EventEncoder, ZmqEventPublisher, decode_batch
 from kvoffload.keys import make_offload_key
 from kvoffload.metrics import PrometheusMetrics
 from kvoffload.replay.engine import EngineOptions, ReplayEngine
@@ -29,7 +29,7 @@ def _subscribe(pub):
 
 
 def test_replay_events_cover_every_store_and_eviction():
-    pub = ZmqEventPublisher("tcp://127.0.0.1:*")
+    pub = ZmqEventPublisher("tcp://127.0.0.1:*", encoder=EventEncoder(int_hashes=False))  # bytes: probed below
     sub = _subscribe(pub)
     trace = generate_chat(seed=5, sessions=12, block_size=64)
     engine = ReplayEngine(trace, EngineOptions(extra_config={"num_cpu_chunks": 160}, progress=False, events=pub))
@@ -47,15 +47,16 @@ def test_replay_events_cover_every_store_and_eviction():
                 continue
             _topic, _seq, payload = sub.recv_multipart()
             for ev in decode_batch(payload)[1]:
-                if ev[0] == "BlockStored":
-                    assert ev[-1] == "CPU"
-                    assert not held.intersection(ev[1]), "a block announced twice without removal"
-                    held.update(ev[1])
-                    stored += len(ev[1])
-                elif ev[0] == "BlockRemoved":
-                    assert held.issuperset(ev[1]), "removal of a block never announced"
-                    held.difference_update(ev[1])
-                    removed += len(ev[1])
+                hashes = ev["block_hashes"]
+                if ev["type"] == "BlockStored":
+                    assert ev["medium"] == "CPU"
+                    assert not held.intersection(hashes), "a block announced twice without removal"
+                    held.update(hashes)
+                    stored += len(hashes)
+                elif ev["type"] == "BlockRemoved":
+                    assert held.issuperset(hashes), "removal of a block never announced"
+                    held.difference_update(hashes)
+                    removed += len(hashes)
         assert removed == cpu["evictions"] > 0
         assert stored == cpu["stored_blocks"]
         # What the events say is held is exactly what the manager holds.

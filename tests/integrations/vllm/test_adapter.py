@@ -149,10 +149,13 @@ def test_secondary_tiers_need_the_worker_in_the_same_process(tmp_path):
 
 
 def test_metric_definitions_are_vllm_metadata_under_vllm_names():
-    defs = KVOffloadingSpec.build_metric_definitions({})
+    defs = KVOffloadingSpec.build_metric_definitions({"vllm_metric_names": False})
     assert f"{METRIC_PREFIX}kvoffload_loaded_blocks" in defs
     assert all(name.startswith("vllm:kvoffload_") for name in defs)
     assert all(isinstance(m, vbase.OffloadingMetricMetadata) for m in defs.values())
+    compat = KVOffloadingSpec.build_metric_definitions({})  # default: vLLM's own names too
+    assert set(compat) > set(defs)
+    assert compat["vllm:kv_offload_tiering_chunk_hits"].labelnames == ("tier",)
 
 
 # ---- scheduler side -------------------------------------------------------------

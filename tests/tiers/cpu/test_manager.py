@@ -200,10 +200,11 @@ def test_events_only_when_enabled():
     m = CPUOffloadingManager(2, enable_events=True)
     store(m, keys(1, 2))
     m.prepare_store(keys(4), None)
-    m.complete_store(keys(4), None, success=False)  # never announced, so no event
+    m.complete_store(keys(4), None, success=False)  # never announced: a metadata-only cleanup
     store(m, keys(3))
     ev = list(m.take_events())
-    assert [(e.keys, e.removed) for e in ev] == [(keys(1, 2), False), (keys(2), True), (keys(3), False)]
+    assert [(e.keys, e.removed, e.metadata_only) for e in ev] == [
+        (keys(1, 2), False, False), (keys(2), True, False), (keys(4), True, True), (keys(3), False, False)]
     assert list(m.take_events()) == []
     m.reset_cache()
     ev = list(m.take_events())

@@ -12,6 +12,7 @@ from kvoffload import abstractions as ko
 from kvoffload.config import CacheConfig, KVGroupConfig, OffloadingConfig
 from kvoffload.layout import ATTENTION, MLA
 from kvoffload.integrations.vllm._compat import OffloadingConnectorStats, vbase
+from kvoffload import metrics_vllm
 from kvoffload.metrics import COUNTERS, GAUGES, PREFIX
 
 # extra_config keys vLLM itself consumes; everything else is ours, checked by our spec.
@@ -100,7 +101,7 @@ def offloading_config(vconfig: Any, spec_keys: tuple[str, ...] = (),
     layer_specs (layer name -> vLLM KVCacheSpec), where known, give each
     group its kind and sliding window."""
     extra = {k: v for k, v in dict(vconfig.extra_config).items()
-             if k not in VLLM_OWNED_KEYS and k != SPEC_KEY}
+             if k not in VLLM_OWNED_KEYS and k not in (SPEC_KEY, metrics_vllm.OPTION)}
     bpc = vconfig.cache.blocks_per_chunk
     sizes = ("kv_bytes_per_chunk", "kv_bytes_per_token", "num_cpu_chunks")
     # vLLM's bytes per block span all groups; ours are per chunk of one group,
@@ -195,19 +196,31 @@ def schedule_end_context(c: Any) -> ko.ScheduleEndContext:
     return ko.ScheduleEndContext(c.new_req_ids, c.preempted_req_ids)
 
 
+# 0.33's events tracker takes a failed store's cleanup as a metadata-only
+# removal; 0.32 has no such field and would announce it as BlockRemoved.
+HAS_METADATA_ONLY = "metadata_only" in getattr(vbase.OffloadingEvent, "__dataclass_fields__", {})
+
+
 def event(e: ko.OffloadingEvent) -> Any:
+    """vLLM's OffloadingEvent, or None for one this vLLM must not see."""
+    if e.metadata_only and not HAS_METADATA_ONLY:
+        return None
+    extra = {"metadata_only": True} if e.metadata_only else {}
     return vbase.OffloadingEvent(
         keys=e.keys, medium=_MEDIUM[e.medium], removed=e.removed,
         locality=_LOCALITY[e.locality] if e.locality is not None else None,
-        ownership=e.ownership, removal_expected=e.removal_expected,
+        ownership=e.ownership, removal_expected=e.removal_expected, **extra,
     )
 
 
-def metric_definitions(defs: dict[str, ko.OffloadingMetricMetadata]) -> dict[str, Any]:
-    """Our metric metadata as vLLM's classes (vLLM builds the Prometheus series)."""
+def metric_definitions(defs: dict[str, ko.OffloadingMetricMetadata], vllm_names: bool = False) -> dict[str, Any]:
+    """Our metric metadata as vLLM's classes (vLLM builds the Prometheus series);
+    vllm_names: with vLLM's own names for what we share (metrics_vllm)."""
+    named = {METRIC_PREFIX + n: m for n, m in defs.items()}
+    if vllm_names:
+        named.update(metrics_vllm.definitions(inside_vllm=True))
     out: dict[str, Any] = {}
-    for name, m in defs.items():
-        name = METRIC_PREFIX + name
+    for name, m in named.items():
         if isinstance(m, ko.OffloadingHistogramMetadata):
             out[name] = vbase.OffloadingHistogramMetadata(
                 documentation=m.documentation, labelnames=m.labelnames, buckets=m.buckets)
@@ -218,10 +231,10 @@ def metric_definitions(defs: dict[str, ko.OffloadingMetricMetadata]) -> dict[str
     return out
 
 
-def connector_stats(stats: ko.OffloadingStats | None) -> Any:
+def connector_stats(stats: ko.OffloadingStats | None, vllm_names: bool = False) -> Any:
     """Our nested per-tier stats as one vLLM OffloadingConnectorStats, one
-    labelled series per tier. Names vLLM was not told about are left out
-    (vLLM refuses undeclared series)."""
+    labelled series per tier (and vLLM's own names, with vllm_names). Names
+    vLLM was not told about are left out (vLLM refuses undeclared series)."""
     if stats is None:
         return None
     out = OffloadingConnectorStats()
@@ -234,6 +247,12 @@ def connector_stats(stats: ko.OffloadingStats | None) -> Any:
         for name, value in s.gauges.items():
             if name in GAUGES:
                 out.set_gauge(METRIC_PREFIX + PREFIX + name, value, labels)
+    if vllm_names:
+        for name, labels, value, counter in metrics_vllm.from_stats(stats, inside_vllm=True):
+            if not counter:
+                out.set_gauge(name, value, labels)
+            elif value:
+                out.increase_counter(name, value, labels)
     return out
 
 

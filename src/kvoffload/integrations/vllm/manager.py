@@ -29,8 +29,9 @@ from kvoffload.integrations.vllm._compat import HAS_LOAD_SOURCE, CacheHitSource,
 
 
 class VLLMOffloadingManager(vbase.OffloadingManager):
-    def __init__(self, inner: ko.OffloadingManager):
+    def __init__(self, inner: ko.OffloadingManager, vllm_metric_names: bool = False):
         self.inner = inner
+        self.vllm_metric_names = vllm_metric_names  # also under vLLM's own names (metrics_vllm)
         self._flush_due = False  # 0.32: a reset not known flushed yet
 
     _HAS_FLUSH_HOOK = hasattr(vbase.OffloadingManager, "on_reset_flushed")
@@ -98,7 +99,9 @@ class VLLMOffloadingManager(vbase.OffloadingManager):
 
     def take_events(self) -> Iterable[Any]:
         for e in self.inner.take_events():
-            yield convert.event(e)
+            v = convert.event(e)
+            if v is not None:
+                yield v
 
     def on_schedule_end(self, context: Any) -> None:
         self.inner.on_schedule_end(convert.schedule_end_context(context))
@@ -124,7 +127,7 @@ class VLLMOffloadingManager(vbase.OffloadingManager):
             hook()
 
     def get_stats(self) -> Any:
-        return convert.connector_stats(self.inner.get_stats())
+        return convert.connector_stats(self.inner.get_stats(), self.vllm_metric_names)
 
     def shutdown(self) -> None:
         self.inner.shutdown()

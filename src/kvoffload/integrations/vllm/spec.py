@@ -38,6 +38,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from kvoffload import metrics_vllm
 from kvoffload.abstractions import OffloadingSpec
 from kvoffload.config import ConfigError, check_known_keys
 from kvoffload.integrations.vllm import convert
@@ -78,7 +79,16 @@ def _done(key: tuple | None, role: str) -> None:
 class KVOffloadingSpec(vbase.OffloadingSpec):
     @classmethod
     def build_metric_definitions(cls, extra_config: dict[str, Any]) -> dict[str, Any]:
-        return convert.metric_definitions(build_metric_definitions(dict(extra_config)))
+        vllm_names = metrics_vllm.enabled(extra_config)
+        if vllm_names:
+            # vLLM fills its deprecated vllm:kv_offload_total_bytes/_total_time/_size
+            # {transfer_type} from our workers' results only for a CPUOffloadingSpec
+            # (an issubclass check, its one use): say we are one. Irreversible for
+            # the process, hence here, only when the option is on.
+            from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as VLLMCPUOffloadingSpec
+
+            VLLMCPUOffloadingSpec.register(cls)
+        return convert.metric_definitions(build_metric_definitions(dict(extra_config)), vllm_names)
 
     def __init__(self, config: Any):
         super().__init__(config)
@@ -91,6 +101,7 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
                 f"(tp={par.tp_size}, pp={par.pp_size}, pcp={par.pcp_size}, dcp={par.dcp_size}) is not supported"
             )
         self.spec_name = str(config.extra_config.get(convert.SPEC_KEY, "cpu"))
+        self.vllm_metric_names = metrics_vllm.enabled(config.extra_config)
         spec_cls = get_spec_class(self.spec_name)
         accepted = _accepted_keys(spec_cls)
         if self.tensor_parallel and "shared_pool_path" not in accepted:
@@ -120,7 +131,7 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
 
     def get_manager(self) -> VLLMOffloadingManager:
         if self._manager is None and self.tensor_parallel:
-            self._manager = VLLMOffloadingManager(self._tp_manager())
+            self._manager = VLLMOffloadingManager(self._tp_manager(), self.vllm_metric_names)
         if self._manager is None:
             if _has_secondary_tiers(self.inner) and getattr(self.inner, "_worker", None) is None:
                 raise ConfigError(
@@ -128,7 +139,7 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
                     "in one process, and the worker started first: run with the 'uni' executor "
                     "(on CPU: VLLM_ENABLE_V1_MULTIPROCESSING=0)"
                 )
-            self._manager = VLLMOffloadingManager(self.inner.get_manager())
+            self._manager = VLLMOffloadingManager(self.inner.get_manager(), self.vllm_metric_names)
             _done(self._key, "manager")
         return self._manager
 

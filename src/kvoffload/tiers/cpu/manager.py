@@ -20,6 +20,8 @@ Other slot-based tiers (storage) reuse this class and override _make_spec.
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable, Collection, Iterable
 
 from kvoffload.abstractions import (
@@ -351,6 +353,8 @@ class CPUOffloadingManager(OffloadingManager):
                 state[s] = 0
             self._free.extend(slots)
             self._dropped += len(pending)
+            if self._events is not None:  # vLLM 0.33's event tracker drops the payload it recorded
+                self._events.append(OffloadingEvent(pending, self.medium, True, self.locality, metadata_only=True))
 
     # ---- requests, events, stats -------------------------------------------
 
@@ -385,7 +389,12 @@ class CPUOffloadingManager(OffloadingManager):
         if not self._events:
             return []
         events, self._events = self._events, []
-        return events
+        for i, e in enumerate(events):
+            if e.metadata_only:  # a retry since may hold the key again: its cleanup is stale
+                keys = [k for k in e.keys if k not in self._slot_of]
+                if len(keys) < len(e.keys):
+                    events[i] = dataclasses.replace(e, keys=keys)
+        return [e for e in events if e.keys]
 
     def reset_cache(self) -> None:
         """Drop every key and the policy's history (ARC ghosts and target).
