@@ -131,6 +131,10 @@ class ReqContext:
     def set_offload_key_position(self, key: OffloadKey, end_token: int) -> None:
         self._offload_key_positions[key] = end_token
 
+    def set_offload_key_positions(self, keys: Iterable[OffloadKey], end_tokens: Iterable[int]) -> None:
+        """set_offload_key_position of many keys at once (pairs in order)."""
+        self._offload_key_positions.update(zip(keys, end_tokens))
+
     def get_offload_key_position(self, key: OffloadKey) -> int | None:
         return self._offload_key_positions.get(key)
 

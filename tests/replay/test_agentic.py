@@ -150,7 +150,7 @@ def test_directory_replays_end_to_end_with_byte_checks(agentic_dir, tmp_path, ca
     for name in ("trace_0304.json", "trace_0306.json", "trace_0325.json"):  # three small conversations
         shutil.copy(agentic_dir / name, d / name)
     js = tmp_path / "r.json"
-    rc = main(["replay", str(d), "--cpu-blocks", "100%", "--stagger", "30", "--oracle", "--order", "legacy",
+    rc = main(["replay", str(d), "--cpu-blocks", "100%", "--stagger", "30", "--oracle", "--order", "legacy", "--verify", "all",
                "--no-progress", "--json", str(js)])
     assert rc == 0
     assert "all bytes match" in capsys.readouterr().out

@@ -130,7 +130,7 @@ def _corrupt_after_stores(engine):
 
     def get_finished():
         results = real()
-        if any(not engine._jobs[res.job_id][1] for res in results if res.job_id in engine._jobs):
+        if any(not engine._jobs[res.job_id].is_load for res in results if res.job_id in engine._jobs):
             engine.worker.pool.array[:, :8] ^= 0x5A
         return results
 
@@ -163,7 +163,7 @@ def test_contents_depend_on_the_hash(mooncake_file):
     engine = ReplayEngine(tr, opts(4))
     try:
         engine.run()
-        gpu = engine.gpu
+        gpu = engine.contents
         seeds = np.array([11, 12], dtype=np.int64)
         slots = np.array([0, 1])
         gpu.fill(slots, seeds)
@@ -255,3 +255,64 @@ def test_blocks_promoted_by_look_ahead_are_credited_to_storage(mooncake_file, tm
     assert tiers["storage"]["promoted_blocks"] == 3
     assert tiers["cpu"]["prefix_hit_rate"] == 0 and tiers["storage"]["prefix_hit_rate"] == 3 / 12
     assert tiers["cpu"]["lookup_hit_rate"] == tiers["cpu"]["hits"] / tiers["cpu"]["lookups"]
+
+
+def _contents(verify):
+    from kvoffload.replay.contents import BlockContents
+
+    words = np.zeros((4, 64), dtype=np.int64)  # 4 blocks of 512 bytes
+    contents = BlockContents(words, verify)
+    slots, seeds = np.arange(4), np.array([5, 6, 7, 8], dtype=np.int64)
+    contents.fill(slots, seeds)
+    return words, contents, slots, seeds
+
+
+@pytest.mark.parametrize("verify", ["sample", "all"])
+def test_checks_catch_wrong_stale_and_torn_blocks(verify):
+    words, contents, slots, seeds = _contents(verify)
+    assert not len(contents.check(slots, seeds))
+    words[1] = words[2]  # a block copied to the wrong slot
+    words[3, 32:] = 0  # a block copied only in part (its tail never written)
+    for _ in range(20):  # whichever words a sample takes
+        assert contents.check(slots, seeds).tolist() == [1, 3]
+
+
+def test_all_checks_every_byte_and_sample_moves_between_loads():
+    words, every, slots, seeds = _contents("all")
+    words[2, 17] ^= 1 << 40  # one flipped bit in the middle of one block
+    assert every.check(slots, seeds).tolist() == [2]
+    _, sample, _, _ = _contents("sample")
+    sample.words[2, 17] ^= 1 << 40
+    # the sample's middle words move from load to load: the flip is found within a few loads
+    assert any(sample.check(slots, seeds).tolist() == [2] for _ in range(64))
+    assert sample.words_checked(10) < every.words_checked(10) == 640
+
+
+def test_verify_option_is_checked_and_reported(mooncake_file):
+    from kvoffload.replay.report import format_table
+
+    tr = load_trace(mooncake_file([[1, 2], [1, 2]]), block_size=4)
+    with pytest.raises(ConfigError, match="verify.*'some'"):
+        replay(tr, opts(8, verify="some"))
+    for verify, said in (("all", "all bytes match"), ("sample", "--verify all checks every byte")):
+        r = replay(tr, opts(8, verify=verify, kv_bytes_per_token=64))  # 32 words a block
+        assert r.counters["verified_blocks"] == 2 and r.options["verify"] == verify
+        assert said in format_table(r)
+
+
+def test_manager_time_per_block_is_weighted_by_blocks():
+    from kvoffload.replay.timing import TimedManager
+
+    class Manager:  # stands for any manager: only the call's duration matters here
+        def prepare_load(self, keys, ctx):
+            return len(keys)
+
+    timed = TimedManager(Manager())
+    assert timed.ns_per_block() == {"p50": 0.0, "p99": 0.0, "mean": 0.0}
+    timed.prepare_load([b"k"] * 999, None)
+    timed.prepare_load([b"k"], None)
+    timed.per_block[0], timed.per_block[1] = 1e-9, 1e-6  # 1 ns a block for 999 blocks, 1000 ns for one
+    s = timed.ns_per_block()
+    assert s["p50"] == pytest.approx(1.0) and s["p99"] == pytest.approx(1.0)
+    assert s["mean"] == pytest.approx((999 + 1000) / 1000)
+    assert timed.seconds > 0 and len(timed.blocks) == 2

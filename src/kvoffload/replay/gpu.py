@@ -1,16 +1,19 @@
-"""The simulated GPU side of a replay: a KV tensor of block slots, the GPU
-prefix cache over it, and block contents that are a pure function of the
-block hash (so every load can be checked byte for byte).
+"""The simulated GPU side of a replay: a KV tensor of block slots and the
+GPU prefix cache over it (block contents: replay/contents.py).
+
+Bookkeeping is per request, not per block, where it can be: refcounts in a
+numpy array, slot<->hash maps filled and emptied with dict operations.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import partial
+from itertools import repeat
+from operator import is_not
 
 import numpy as np
 import torch
-
-_GOLDEN = np.int64(-7046029254386353131)  # 0x9E3779B97F4A7C15 as int64
 
 
 class GPUBlocks:
@@ -29,20 +32,19 @@ class GPUBlocks:
         self.cache_blocks = cache_blocks
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.slot_of: dict[int, int] = {}  # block hash -> slot (in use or idle)
-        self.hash_of: list[int | None] = [None] * num_blocks
-        self.refs = [0] * num_blocks
+        self.hash_of: dict[int, int] = {}  # slot -> block hash (slots with one)
+        self.refs = np.zeros(num_blocks, dtype=np.int64)
         self.idle: OrderedDict[int, int] = OrderedDict()  # hash -> slot, least recent first
         self.evictions = 0
-        # Word i of a block with seed s holds s + i * golden: cheap to make
-        # and to check, and different for every block and offset.
-        self._base = np.arange(page_bytes // 8, dtype=np.int64) * _GOLDEN
 
     # ---- prefix cache -------------------------------------------------------
 
     def match(self, hashes: list[int]) -> int:
         """Length of the leading run of hashes cached on the GPU."""
-        n = 0
         slot_of = self.slot_of
+        if not slot_of:
+            return 0
+        n = 0
         for h in hashes:
             if h not in slot_of:
                 break
@@ -52,11 +54,12 @@ class GPUBlocks:
     def acquire(self, hashes: list[int]) -> list[int]:
         """Take a reference on cached blocks (a GPU prefix hit)."""
         slots = []
+        refs, idle, slot_of = self.refs, self.idle, self.slot_of
         for h in hashes:
-            s = self.slot_of[h]
-            if self.refs[s] == 0:
-                del self.idle[h]
-            self.refs[s] += 1
+            s = slot_of[h]
+            if refs[s] == 0:
+                del idle[h]
+            refs[s] += 1
             slots.append(s)
         return slots
 
@@ -66,61 +69,56 @@ class GPUBlocks:
         while len(self.free) < n and self.idle:
             h, s = self.idle.popitem(last=False)
             del self.slot_of[h]
-            self.hash_of[s] = None
+            del self.hash_of[s]
             self.free.append(s)
             self.evictions += 1
         if len(self.free) < n:
             return None
         slots = self.free[len(self.free) - n:]
         del self.free[len(self.free) - n:]
-        for s in slots:
-            self.refs[s] = 1
+        self.refs[slots] = 1
         return slots
 
     def register(self, slots: list[int], hashes: list[int]) -> None:
-        """Computed or loaded blocks become prefix-cache hits."""
-        for s, h in zip(slots, hashes):
-            if h not in self.slot_of and self.hash_of[s] is None:
-                self.slot_of[h] = s
-                self.hash_of[s] = h
+        """Computed or loaded blocks become prefix-cache hits (the first slot
+        of a hash listed twice; a hash or slot that has one already keeps it)."""
+        new = dict(zip(reversed(hashes), reversed(slots)))  # reversed: the first slot wins
+        slot_of, hash_of = self.slot_of, self.hash_of
+        for h in new.keys() & slot_of.keys():
+            del new[h]
+        if hash_of and not hash_of.keys().isdisjoint(new.values()):
+            new = {h: s for h, s in new.items() if s not in hash_of}
+        slot_of.update(new)
+        hash_of.update(zip(new.values(), new.keys()))
 
     def release(self, slots: list[int]) -> None:
-        idle, refs, cap = self.idle, self.refs, self.cache_blocks
-        for s in slots:
-            refs[s] -= 1
-            if refs[s]:
-                continue
-            h = self.hash_of[s]
+        """Drop a reference on each slot (each listed once); the last one
+        makes a slot free, or an idle cache entry if it has a hash."""
+        if not slots:
+            return
+        refs = self.refs
+        idx = np.asarray(slots, dtype=np.int64)
+        refs[idx] -= 1
+        done = idx[refs[idx] == 0].tolist()
+        if not done:
+            return
+        hash_of, slot_of, cap = self.hash_of, self.slot_of, self.cache_blocks
+        if not cap:  # no prefix cache: every slot is simply free again
+            hashes = list(filter(partial(is_not, None), map(hash_of.pop, done, repeat(None))))
+            for h in hashes:
+                del slot_of[h]
+            self.free.extend(done)
+            return
+        idle = self.idle
+        for s in done:
+            h = hash_of.get(s)
             if h is None:
-                self.free.append(s)
-                continue
-            if not cap:  # no prefix cache: the slot is simply free again
-                del self.slot_of[h]
-                self.hash_of[s] = None
                 self.free.append(s)
                 continue
             idle[h] = s
             if len(idle) > cap:
                 h2, s2 = idle.popitem(last=False)
-                del self.slot_of[h2]
-                self.hash_of[s2] = None
+                del slot_of[h2]
+                del hash_of[s2]
                 self.free.append(s2)
                 self.evictions += 1
-
-    # ---- contents -----------------------------------------------------------
-
-    def fill(self, slots: np.ndarray, seeds: np.ndarray) -> None:
-        """Write each block's deterministic contents (a simulated prefill)."""
-        if len(slots):
-            self.words[slots] = self._base + seeds[:, None]
-
-    def check(self, slots: np.ndarray, seeds: np.ndarray) -> np.ndarray:
-        """Indices (into slots) of blocks whose bytes are not what they must be."""
-        if not len(slots):
-            return np.empty(0, dtype=np.int64)
-        ok = (self.words[slots] == self._base + seeds[:, None]).all(axis=1)
-        return np.flatnonzero(~ok)
-
-
-def seeds_of(hashes: list[int]) -> np.ndarray:
-    return np.array(hashes, dtype=np.uint64).view(np.int64)
