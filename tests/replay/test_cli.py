@@ -76,3 +76,26 @@ def test_json_report_with_metrics_and_events_endpoints(mooncake_file, tmp_path, 
     assert report["result"]["options"]["metrics"] == "PrometheusMetrics"
     assert report["result"]["options"]["events"] == "ZmqEventPublisher"
     assert report["summary"]["requests"] == 3
+
+
+def test_parallel_sweep_prints_what_the_sequential_one_prints(mooncake_file, tmp_path, capsys):
+    from kvoffload.replay.sweep import default_workers
+
+    p = mooncake_file([[1, 2, 3], [1, 2, 4], [1, 5], [1, 2, 3, 6], [7, 1], [1, 2, 4, 8]])
+    out, stats = {}, {}
+    for workers in ("1", "3"):
+        js = tmp_path / f"w{workers}.json"
+        rc = main(["replay", str(p), "--block-size", "4", "--sweep", "1,2,4", "--sweep-workers", workers,
+                   "--oracle", "--no-progress", "--json", str(js)])
+        assert rc == 0
+        captured = capsys.readouterr()
+        out[workers] = (captured.out, captured.err)
+        timing = ("_s", "GBps", "manager_ns", "harness_share")  # how long it took is the only difference
+        stats[workers] = [{k: v for k, v in r["summary"].items() if not any(t in k for t in timing)}
+                          for r in json.loads(js.read_text())]
+    assert out["1"] == out["3"]
+    assert stats["1"] == stats["3"] and [s["requests"] for s in stats["1"]] == [6, 6, 6]
+    assert [line.split("]")[0] for line in out["3"][1].splitlines()] == ["[1", "[2", "[4"]
+    assert 1 <= default_workers(3) <= 3 and default_workers(1) == 1
+    assert main(["replay", str(p), "--sweep", "1,2", "--sweep-workers", "0"]) == 2
+    assert "--sweep-workers must be positive, got 0" in capsys.readouterr().err

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 
 from kvoffload.config import ConfigError, check_fits_in_memory, parse_bytes
 from kvoffload.redact import redact_text, redact_url
+from kvoffload.replay.sweep import default_workers, replay_once, run_sweep
 from kvoffload.replay.traces import FORMATS, Trace, load_trace, mark_final_turns
 
 # KV bytes per token (K and V, all layers, bf16) of common models.
@@ -89,7 +90,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
         e.add_argument(flag, type=int, default=0, metavar="N", help=f"--order vllm: {what} (default 0: never)")
     o = p.add_argument_group("output")
     o.add_argument("--oracle", action="store_true", help="also simulate LRU and Belady at the same capacity")
-    o.add_argument("--sweep", help="comma-separated CPU capacities (blocks or N%%) to replay in turn")
+    o.add_argument("--sweep", help="comma-separated CPU capacities (blocks or N%%) to replay, in parallel "
+                   "processes when there are cores to spare")
+    o.add_argument("--sweep-workers", type=int, metavar="N",
+                   help="processes for --sweep (default: one per capacity, at most one per usable core; "
+                        "1: one after the other)")
     o.add_argument("--json", help="write results as JSON here")
     o.add_argument("--markdown", help="write results as Markdown here")
     o.add_argument("--plot-dir", help="write PNG plots here")
@@ -146,6 +151,8 @@ def check_args(args) -> None:
         raise ConfigError(f"--gpu-blocks must be 0 or more, got {args.gpu_blocks}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
         raise ConfigError(f"--metrics-port must be a TCP port in 0..65535 (0: any free one), got {args.metrics_port}")
+    if args.sweep_workers is not None and args.sweep_workers <= 0:
+        raise ConfigError(f"--sweep-workers must be positive, got {args.sweep_workers}")
     if args.sweep is not None and not sweep_points(args.sweep):
         raise ConfigError(f"--sweep {args.sweep!r} names no capacity (e.g. 1%,5%,1000)")
     if args.remote_url is not None:
@@ -294,20 +301,6 @@ def _stop_observability(args) -> None:
         args._events.close()
 
 
-def replay_once(trace: Trace, opts, oracle: bool):
-    from kvoffload.replay.engine import replay
-    from kvoffload.replay.oracle import replay_oracles
-
-    result = replay(trace, opts)
-    for key in ("metrics", "events"):  # live objects: a report holds what they are, not them
-        if result.options.get(key) is not None:
-            result.options[key] = type(result.options[key]).__name__
-    if oracle:
-        result.oracle = replay_oracles([r.block_hashes for r in trace.requests], result.tiers,
-                                       opts.extra_config.get("num_cpu_chunks"))
-    return result
-
-
 def run(args) -> int:
     """Every bad input, from an option to a trace line or an output path,
     ends here as one line and exit code 2."""
@@ -326,15 +319,19 @@ def _run(args) -> int:
         _start_observability(args)
         trace = _load(args)
         if args.sweep:
-            points = []
-            for c in sweep_points(args.sweep):
-                opts = build_options(args, trace, cpu_blocks=c)
+            caps = sweep_points(args.sweep)
+            options = [build_options(args, trace, cpu_blocks=c) for c in caps]
+            for c, opts in zip(caps, options):
                 check_engine_memory(trace, opts)
-                r = replay_once(trace, opts, args.oracle)
-                points.append((opts.extra_config["num_cpu_chunks"], r))
-                print(f"[{c}] offload prefix hit rate {report.summary(r)['offload_prefix_hit_rate']:.4f}",
+                opts.progress_label = f"[{c}]"
+
+            def done(i: int, r) -> None:
+                print(f"[{caps[i]}] offload prefix hit rate {report.summary(r)['offload_prefix_hit_rate']:.4f}",
                       file=sys.stderr)
-            results = [r for _, r in points]
+
+            workers = args.sweep_workers or default_workers(len(options))
+            results = run_sweep(trace, options, args.oracle, workers, done)
+            points = [(o.extra_config["num_cpu_chunks"], r) for o, r in zip(options, results)]
             print(report.sweep_table(points))
         else:
             opts = build_options(args, trace)

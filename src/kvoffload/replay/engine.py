@@ -79,6 +79,10 @@ class EngineOptions:
     abort_every: int = 0  # vllm order: abort every N-th request when it is scheduled
     reset_every: int = 0  # vllm order: reset_cache() before every N-th step
     progress: bool = True
+    # Where the progress bar goes: a label after the trace name, and a line
+    # of its own (tqdm's position) when several replays run at once.
+    progress_label: str = ""
+    progress_position: int | None = None
     # Observability (off by default, inert when off): a PrometheusMetrics to
     # feed with the manager's stats and the worker's transfers, and a
     # ZmqEventPublisher for the manager's KV events.
@@ -253,7 +257,7 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
         self._seen = {}  # req_id -> Seen: requests looked at, not finished
         done = 0
         sample_at = max(1, total // max(1, opts.samples))
-        bar = _progress(total, opts.progress, self.trace.name)
+        bar = _progress(total, opts, self.trace.name)
         now = 0.0
         t_start = time.perf_counter()
         cpu_start = time.process_time()
@@ -303,7 +307,7 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
         self._collect_stats()
         return ReplayResult(
             trace=self.trace.name,
-            options={k: v for k, v in vars(opts).items() if k != "progress"} | {
+            options={k: v for k, v in vars(opts).items() if not k.startswith("progress")} | {
                 "block_size": self.trace.block_size, "page_bytes": self.page_bytes,
                 "offload_prompt_only": self.prompt_only},
             counters=dict(self.c),
@@ -368,14 +372,16 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
         self.timeline.append(point)
 
 
-def _progress(total: int, enabled: bool, name: str):
-    if not enabled:
+def _progress(total: int, opts: EngineOptions, name: str):
+    if not opts.progress:
         return None
     try:
         from tqdm import tqdm
     except ImportError:
         return None
-    return tqdm(total=total, desc=f"replay {name}", unit="req", file=sys.stderr, mininterval=0.5)
+    desc = f"replay {name} {opts.progress_label}".rstrip()
+    return tqdm(total=total, desc=desc, unit="req", file=sys.stderr, mininterval=0.5,
+                position=opts.progress_position)
 
 
 def replay(trace: Trace, opts: EngineOptions) -> ReplayResult:
