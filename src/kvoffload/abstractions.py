@@ -11,7 +11,7 @@ job as a TransferResult.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
@@ -137,6 +137,27 @@ class ReqContext:
 
     def get_offload_key_position(self, key: OffloadKey) -> int | None:
         return self._offload_key_positions.get(key)
+
+    # ---- ours, beyond vLLM's ReqContext --------------------------------------
+
+    def offload_key_positions(self) -> Mapping[OffloadKey, int]:
+        """Every key's end-token position: the live mapping (read it, don't
+        write it), so a manager can order a whole prefix without a copy."""
+        return self._offload_key_positions
+
+    def share_offload_key_positions(self, positions: dict[OffloadKey, int]) -> None:
+        """Use `positions` as this request's key positions: the same dict, not
+        a copy, so positions its owner (an engine) adds later are seen."""
+        self._offload_key_positions = positions
+
+    def get_owned(self, owner: object) -> Any:
+        """Scratch state kept under `owner` itself (a manager instance):
+        set_state/get_state key by type, but several managers of one type
+        (a CPU tier and a storage tier reusing it) may share one context."""
+        return self._state.get(owner)
+
+    def set_owned(self, owner: object, val: Any) -> None:
+        self._state[owner] = val
 
 
 class LookupResult(Enum):
@@ -470,7 +491,6 @@ class OffloadingSpec(ABC):
     def __init__(self, config: OffloadingConfig):
         self.config = config
         self.extra_config = config.extra_config
-        self.replicated_layout: bool = False
         self.kv_events_config = OffloadingKVEventsConfig(
             enable_kv_cache_events=config.enable_kv_cache_events,
             self_describing_kv_events=bool(self.extra_config.get("self_describing_kv_events", False)),

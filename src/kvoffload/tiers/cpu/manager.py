@@ -15,14 +15,14 @@ ReqContext and re-ranked once in on_request_finished, head most recent, so a
 request's tail is evicted before its head even when its stores arrived in
 several batches. touch() still works for callers that use it.
 
-Other slot-based tiers (storage) reuse this class and override _make_spec.
+The per-request helpers (prefix order, retention) are kvoffload.requests'.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 
 from kvoffload.abstractions import (
     CPULoadStoreSpec,
@@ -40,15 +40,14 @@ from kvoffload.abstractions import (
 )
 from kvoffload.config import ConfigError
 from kvoffload.hints import COUNTER as BAD_HINTS
-from kvoffload.hints import request_hints
 from kvoffload.keys import GROUP_BYTES, check_key
 from kvoffload.policies import get_policy_class
 from kvoffload.policies.base import admission_of
+from kvoffload.requests import low_retention, prefix_order
 
 PENDING = -1
 _FINISHED = ((), (), False)  # request record after on_request_finished: record nothing more
 _HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
-_NO_POSITION = float("inf")
 
 
 class BlockStateError(KeyError):
@@ -69,33 +68,6 @@ def _check_keys(keys: Collection[object]) -> None:
     elif set(map(type, keys)) != {bytes} or min(map(len, keys)) <= GROUP_BYTES:
         for k in keys:
             check_key(k)
-
-
-def prefix_order(keys: list[bytes], ctx: ReqContext | None) -> list[bytes]:
-    """Keys head first: by the request's end-token positions when it has them
-    (stores may complete out of order, vLLM passes sets), else as given."""
-    if ctx is None or len(keys) < 2:
-        return keys
-    positions = ctx._offload_key_positions  # read directly: hot path
-    if not positions:
-        return keys
-    try:
-        return sorted(keys, key=positions.__getitem__)
-    except KeyError:  # some keys without a position: they go last, in given order
-        get = positions.get
-        return sorted(keys, key=lambda k: get(k, _NO_POSITION))
-
-
-def low_retention(ctx: ReqContext | None, count: Callable[[int], None] | None = None) -> bool:
-    """True if the request says its blocks will not be reused
-    (kv_transfer_params {"kv_retention": "low"}: a session's last turn, a
-    one-shot prompt). Such a request stores its new blocks where they are
-    evicted first and refreshes nothing it reads, so shared heads keep the
-    recency other requests gave them. Never raises: an invalid hint is
-    ignored (kvoffload.hints); count(n) counts it if this call parses it."""
-    if ctx is None or ctx.kv_transfer_params is None:  # most requests: no parse, no state
-        return False
-    return request_hints(ctx, count).low_retention
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -146,7 +118,7 @@ class CPUOffloadingManager(OffloadingManager):
             rec = ctx._state[self] = [[], [], False]
         return None if rec is _FINISHED else rec
 
-    # ---- the spec a worker reads; storage tiers override --------------------
+    # ---- the spec a worker reads --------------------------------------------
 
     def _make_spec(self, slot_ids: list[int]) -> LoadStoreSpec:
         return CPULoadStoreSpec(slot_ids)

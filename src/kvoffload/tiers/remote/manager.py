@@ -31,6 +31,7 @@ from kvoffload.abstractions import (
     RequestOffloadingContext,
     ScheduleEndContext,
 )
+from kvoffload.requests import rest_of_prefix
 from kvoffload.tiers.remote.config import RemoteConfig
 from kvoffload.tiers.remote.lookup import ExistenceChecker
 from kvoffload.tiers.remote.state import SharedState
@@ -146,17 +147,16 @@ class RemoteOffloadingManager(OffloadingManager):
 
     def _ask_rest_of_prefix(self, key: OffloadKey, ctx: ReqContext) -> None:
         # Schedulers look up a prefix key by key and stop at the first
-        # non-HIT, which would cost one round trip per block. The request's
-        # key positions name the rest of its prefix: check it all at once.
-        positions = ctx._offload_key_positions
-        pos = positions.get(key)
-        if pos is None:
+        # non-HIT, which would cost one round trip per block: check the
+        # rest of the request's prefix all at once.
+        rest = rest_of_prefix(key, ctx)
+        if not rest:
             return
         now, present, absent = _now(), self._present, self._absent
         checking, storing, ask = self._checking, self._storing, self._checker.ask
         give_up = now + self._cfg.lookup_deadline_s
-        for k, p in positions.items():
-            if (p > pos and present.get(k, 0.0) <= now and absent.get(k, 0.0) <= now
+        for k in rest:
+            if (present.get(k, 0.0) <= now and absent.get(k, 0.0) <= now
                     and k not in checking and k not in storing):
                 checking[k] = give_up
                 ask(k)

@@ -24,7 +24,7 @@ from kvoffload.abstractions import (
     RequestOffloadingContext,
 )
 from kvoffload.policies import get_policy_class
-from kvoffload.tiers.cpu.manager import low_retention, prefix_order
+from kvoffload.requests import low_retention, prefix_order
 from kvoffload.tiers.storage.index import MAX_KEY_BYTES
 from kvoffload.tiers.storage.store import SlabStore
 
