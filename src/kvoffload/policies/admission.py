@@ -14,9 +14,15 @@ answers which of the offered keys to admit.
   `threshold`. All counts halve every `sample` offers, so old popularity
   fades. Fixed memory whatever the key count.
 
-With `prefix_closed` (the default) a filter admits only the leading run of
+With `prefix_closed` (the default) `admit` admits only the leading run of
 admitted keys of one call: under prefix semantics a block whose parent was
 refused is useless.
+
+The tiering manager gives each secondary tier with `admission: <name>` in
+its config (or a `store_threshold` above 1: "store_count") one filter. It
+offers a chunk when the engine stores it in CPU and when a request reuses
+it (`offer`), and writes it down once `admitted` (when its CPU store lands,
+or at the reuse that admits it).
 """
 
 from __future__ import annotations
@@ -42,6 +48,24 @@ class AdmissionFilter(ABC):
     def _offer(self, key: bytes) -> bool:
         """Record one offer of key; True if it is admitted now."""
 
+    @abstractmethod
+    def admitted(self, key: bytes) -> bool:
+        """True if key is admitted now (records nothing)."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Forget every offer (a cache reset)."""
+
+    def offer(self, keys: list[bytes]) -> list[bytes]:
+        """Record one offer of each key; return those admitted by this offer
+        (not admitted before it), so a caller writes each down once."""
+        out = []
+        for k in keys:
+            before = self.admitted(k)
+            if self._offer(k) and not before:
+                out.append(k)
+        return out
+
     def admit(self, keys: list[bytes]) -> list[bytes]:
         """Record an offer of each key (prefix order); return those to store."""
         out = []
@@ -64,6 +88,23 @@ class StoreCountAdmission(AdmissionFilter):
         self.old: dict[bytes, int] = {}
 
     def _offer(self, key: bytes) -> bool:
+        return self._offer_count(key) >= self.threshold
+
+    def admitted(self, key: bytes) -> bool:
+        c = self.counts.get(key)
+        if c is None:
+            c = self.old.get(key, 0)
+        return c >= self.threshold
+
+    def clear(self) -> None:
+        self.counts, self.old = {}, {}
+
+    def offer(self, keys: list[bytes]) -> list[bytes]:
+        # the base's, without its admitted() pass: reaching the threshold is admission
+        offer, threshold = self._offer_count, self.threshold
+        return [k for k in keys if offer(k) == threshold]
+
+    def _offer_count(self, key: bytes) -> int:
         c = self.counts.get(key)
         if c is None:
             c = self.old.pop(key, 0)
@@ -71,7 +112,7 @@ class StoreCountAdmission(AdmissionFilter):
         self.counts[key] = c
         if len(self.counts) >= self.generation:
             self.old, self.counts = self.counts, {}
-        return c >= self.threshold
+        return c
 
 
 class TinyLFUAdmission(AdmissionFilter):
@@ -114,3 +155,35 @@ class TinyLFUAdmission(AdmissionFilter):
                     if t[i, c] == low:
                         t[i, c] = low + 1
         return self.estimate(key) >= self.threshold
+
+    def admitted(self, key: bytes) -> bool:
+        return self.estimate(key) >= self.threshold
+
+    def clear(self) -> None:
+        self.table[:] = 0
+        self.doorkeeper.clear()
+        self.offers = 0
+
+
+# name -> class, for a secondary tier's `admission` key
+ADMISSION_FILTERS: dict[str, type[AdmissionFilter]] = {
+    "store_count": StoreCountAdmission,
+    "tinylfu": TinyLFUAdmission,
+}
+
+
+def make_admission(name: object, threshold: int | None, where: str) -> AdmissionFilter:
+    """The filter named `name` (a registered name or "module:Class"), with
+    `threshold` if given; ConfigError naming `where` otherwise. Built with
+    prefix_closed=False: a tier is offered a store job's keys, not one
+    request's prefix in order."""
+    from kvoffload.registry import load_class
+
+    try:
+        cls = load_class(name, ADMISSION_FILTERS, AdmissionFilter, "admission filter", "filters")
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None
+    kw = {"prefix_closed": False}
+    if threshold is not None:
+        kw["threshold"] = threshold
+    return cls(**kw)

@@ -26,7 +26,8 @@ SPEC_KEY = "kvoffload_spec"
 # (vLLM's LLM.get_metrics() also only reports vllm:* series).
 METRIC_PREFIX = "vllm:"
 
-_LOOKUP = {r: vbase.LookupResult[r.name] for r in ko.LookupResult}
+# ours -> vLLM's; public for the adapter's lookup (one call per block: no extra call layer)
+LOOKUP_RESULTS = {r: vbase.LookupResult[r.name] for r in ko.LookupResult}
 _POLICY = {p: vbase.OffloadPolicy(p.value) for p in ko.OffloadPolicy}
 _MEDIUM = {m: vbase.Medium(m.value) for m in ko.Medium}
 _LOCALITY = {loc: vbase.Locality(loc.value) for loc in ko.Locality}
@@ -169,17 +170,19 @@ def req_context(vctx: Any) -> ko.ReqContext | None:
     Key positions are shared (same dict), not copied."""
     if vctx is None:
         return None
-    ctx = vctx._state.get(ko.ReqContext)
+    ctx = vctx.get_state(ko.ReqContext)
     if ctx is None:
         ctx = ko.ReqContext(vctx.req_id, vctx.kv_transfer_params, vctx.kv_hints,
                             tier_filter(vctx.load_tier_filter))
-        ctx._offload_key_positions = vctx._offload_key_positions
-        vctx._state[ko.ReqContext] = ctx
+        # vLLM offers only per-key get_offload_key_position; our managers order
+        # a whole prefix, so they share its dict (private: no public way to it).
+        ctx.share_offload_key_positions(vctx._offload_key_positions)
+        vctx.set_state(ctx)
     return ctx
 
 
 def lookup_result(r: ko.LookupResult) -> Any:
-    return _LOOKUP[r]
+    return LOOKUP_RESULTS[r]
 
 
 def request_offloading_context(c: ko.RequestOffloadingContext) -> Any:

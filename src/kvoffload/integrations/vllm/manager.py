@@ -44,20 +44,11 @@ class VLLMOffloadingManager(vbase.OffloadingManager):
 
     # hot path: one call per block, so no extra layers
     def lookup(self, key: bytes, req_context: Any) -> Any:
-        return convert._LOOKUP[self.inner.lookup(key, convert.req_context(req_context))]
+        return convert.LOOKUP_RESULTS[self.inner.lookup(key, convert.req_context(req_context))]
 
     if HAS_LOAD_SOURCE:
         def get_load_source(self, key: bytes, req_context: Any) -> Any:
-            """HOST for the CPU tier; DISK for a storage tier if our manager
-            says a hit came from one (`load_medium`), else unspecified."""
-            load_medium = getattr(self.inner, "load_medium", None)
-            if load_medium is not None:
-                medium = load_medium(key, convert.req_context(req_context))
-                if medium is ko.Medium.STORAGE:
-                    return CacheHitSource.DISK
-                if medium is ko.Medium.CPU:
-                    return CacheHitSource.HOST
-                return CacheHitSource.EXTERNAL_UNSPECIFIED
+            """HOST for the CPU tier, else unspecified."""
             if getattr(self.inner, "medium", None) is ko.Medium.CPU:
                 return CacheHitSource.HOST
             return CacheHitSource.EXTERNAL_UNSPECIFIED

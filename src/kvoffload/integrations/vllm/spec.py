@@ -133,7 +133,7 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
         if self._manager is None and self.tensor_parallel:
             self._manager = VLLMOffloadingManager(self._tp_manager(), self.vllm_metric_names)
         if self._manager is None:
-            if _has_secondary_tiers(self.inner) and getattr(self.inner, "_worker", None) is None:
+            if _has_secondary_tiers(self.inner) and self.inner.worker is None:
                 raise ConfigError(
                     "kvoffload secondary tiers (storage, remote) need vLLM's scheduler and worker "
                     "in one process, and the worker started first: run with the 'uni' executor "
@@ -164,7 +164,7 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
         if _has_secondary_tiers(self.inner):
             self._scheduler_pool = SharedHostPool.open(self.inner.shared_pool_path, self.inner.num_chunks,
                                                        self.inner.kv_bytes_per_chunk)
-            manager.attach_workers([t.tier.get_worker(self._scheduler_pool) for t in manager.tiers])
+            self.inner.attach_tier_workers(self._scheduler_pool)
         if self._own_pool_path:
             Path(self.inner.shared_pool_path).unlink(missing_ok=True)
         return manager
@@ -185,4 +185,4 @@ def _accepted_keys(spec_cls: type) -> set[str]:
 
 
 def _has_secondary_tiers(spec: OffloadingSpec) -> bool:
-    return bool(getattr(spec, "_tier_confs", None))
+    return bool(getattr(spec, "tier_configs", None))  # the tiered spec's; other specs have none

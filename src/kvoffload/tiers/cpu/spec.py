@@ -102,6 +102,11 @@ class CPUOffloadingSpec(OffloadingSpec):
         # (another process may already hold it: its memory is no longer "available").
         self._check_memory(self.kv_bytes_per_chunk if path is None else None, pool=path is None)
 
+    @property
+    def worker(self):
+        """The worker get_worker() made in this process, or None."""
+        return self._worker
+
     def _check_memory(self, chunk_bytes: int | None, pool: bool) -> None:
         """ConfigError, before anything is allocated, when the host pool (if
         `pool`) and the manager's slots need more memory than is available."""

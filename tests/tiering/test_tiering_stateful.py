@@ -244,8 +244,8 @@ class TieringMachine(RuleBasedStateMachine):
         held = list(cpu._slot_of.values())
         assert sorted(held + cpu._free + cpu._fenced) == list(range(CPU_CHUNKS))
         assert len(cpu._fenced) == self.fenced
-        promoting = [k for (_, is_store, keys, _) in self.mgr._jobs.values() if not is_store for k in keys]
-        cascading = Counter(k for (_, is_store, keys, _) in self.mgr._jobs.values() if is_store for k in keys)
+        promoting = [k for job in self.mgr.jobs if not job.is_store for k in job.keys]
+        cascading = Counter(k for job in self.mgr.jobs if job.is_store for k in job.keys)
         pending = {k for k, s in cpu._slot_of.items() if cpu._state[s] == -1}
         assert pending == {k for _, keys, _ in self.stores for k in keys} | set(promoting)
         pins = Counter({k: cpu._state[s] for k, s in cpu._slot_of.items() if cpu._state[s] > 0})
@@ -282,7 +282,7 @@ class TieringMachine(RuleBasedStateMachine):
             assert not self.mgr.has_pending_work()
             g = self.cpu.get_stats().gauges
             assert (g["pinned_blocks"], g["pending_blocks"], g["fenced_blocks"]) == (0, 0, 0)
-            assert not self.mgr._requests and not self.mgr._jobs and not self.mgr._promote_queue
+            assert not self.mgr._requests and not self.mgr.jobs and not self.mgr.promotions
             assert all(self.cpu.lookup(k) is not PENDING for k in KEYS)
             assert self.tier.in_flight == 0
             sm = self.tier.manager

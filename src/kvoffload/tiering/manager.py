@@ -1,0 +1,364 @@
+"""TieringManager: a primary CPU tier composed with ordered secondary tiers
+(storage, remote).
+
+Stores:  GPU -> CPU (the engine's jobs), then, once a chunk is readable in
+         CPU, a cascade CPU -> each secondary tier (the CPU copy stays pinned
+         until the tier's write lands). Slow tiers are protected by
+         - admission: a tier with an admission filter (policies/admission.py)
+           is written only the chunks it admits, offered when stored in CPU
+           and when reused, and
+         - back-pressure: while a tier has `max_queue_depth` chunks in
+           flight, further stores to it are dropped (counted), never waited on.
+Lookups: a CPU miss asks the secondary tiers (promotion.py).
+
+Completions of our own jobs (jobs.py) are applied in on_schedule_end() and
+wait_idle() (so reset_cache() and shutdown()); queries (has_pending_work,
+get_stats) apply none: an engine keeps stepping while there is pending work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+
+from kvoffload.abstractions import (
+    CPULoadStoreSpec,
+    LookupResult,
+    OffloadingEvent,
+    OffloadingManager,
+    OffloadingStats,
+    OffloadKey,
+    OffloadPolicy,
+    PrepareStoreOutput,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from kvoffload.hints import COUNTER as BAD_HINTS
+from kvoffload.hints import request_hints
+from kvoffload.tiering.jobs import Job, JobTable
+from kvoffload.tiering.promotion import Promotions
+from kvoffload.tiering.state import RequestState
+from kvoffload.tiering.tier import Tier
+from kvoffload.tiers.base import TierWorker
+from kvoffload.tiers.cpu.manager import BlockStateError, CPUOffloadingManager
+
+_MISS, _HIT, _PENDING, _RETRY = (LookupResult.MISS, LookupResult.HIT,
+                                 LookupResult.HIT_PENDING, LookupResult.RETRY)
+_LOOKUP_COUNTER = {_HIT: "hits", _MISS: "misses", _PENDING: "hits_pending", _RETRY: "retries"}
+_DONE = object()  # on a ReqContext, under the manager: its children heard on_request_finished
+
+
+class TieringManager(OffloadingManager):
+    def __init__(self, primary: CPUOffloadingManager, tiers: list[Tier], name: str = "tiered"):
+        self.primary = primary
+        self.name = name
+        self._requests: dict[str, RequestState] = {}
+        self.jobs = JobTable()
+        self._counters: dict[str, float] = {}
+        self.promotions = Promotions(primary, tiers, self.jobs, self._state)
+        self.replace_tiers(tiers)
+
+    def replace_tiers(self, tiers: list[Tier]) -> None:
+        """Use these tiers (before any worker is attached: the spec reopens
+        its tiers once the KV caches' layout is known)."""
+        self.tiers = tiers
+        self.promotions.tiers = tiers
+        self._admitting = [(i, t) for i, t in enumerate(tiers) if t.admission is not None]
+
+    def attach_workers(self, workers: list[TierWorker]) -> None:
+        for t, w in zip(self.tiers, workers, strict=True):
+            t.worker = w
+
+    def _count(self, name: str, n: float = 1) -> None:
+        self._counters[name] = self._counters.get(name, 0) + n
+
+    def _state(self, ctx: ReqContext) -> RequestState:
+        st = self._requests.get(ctx.req_id)
+        if st is None:
+            st = RequestState([False] * len(self.tiers))
+            if not self._done(ctx):  # a request we were not told about: defaults
+                self._requests[ctx.req_id] = st
+            # else finished and its children told: a throwaway, never kept
+        return st
+
+    def _done(self, ctx: ReqContext) -> bool:
+        """True once the children heard on_request_finished for this request."""
+        return ctx.get_owned(self) is _DONE
+
+    def _maybe_finish(self, ctx: ReqContext, st: RequestState) -> None:
+        """Tell the children a finished request is finished, once no child
+        submit call can come for it any more: no primary store left to
+        complete (a completion cascades) and no secondary job in flight."""
+        if st.finished and not st.stores and not st.jobs:
+            self._requests.pop(ctx.req_id, None)
+            ctx.set_owned(self, _DONE)
+            for t in self.tiers:
+                t.manager.on_request_finished(ctx)
+
+    # ---- requests -----------------------------------------------------------
+
+    def _count_bad_hints(self, n: int) -> None:
+        self._count(BAD_HINTS, n)
+
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        # Parsed (never raising) and counted here, before the children read them.
+        hints = request_hints(req_context, self._count_bad_hints)
+        if hints.load_tiers is not None:  # an invalid kv_load_tiers: TierFilter.ALL
+            req_context.load_tier_filter = hints.load_tiers
+        policy = self.primary.on_new_request(req_context).policy
+        levels = []
+        for t in self.tiers:
+            p = t.manager.on_new_request(req_context).policy
+            levels.append(p is OffloadPolicy.REQUEST_LEVEL)
+        self._requests[req_context.req_id] = RequestState(levels)
+        if any(levels):
+            policy = OffloadPolicy.REQUEST_LEVEL
+        return RequestOffloadingContext(policy)
+
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self.primary.on_request_finished(req_context)
+        self.promotions.drop_request(req_context.req_id)
+        if self._done(req_context):
+            return  # told twice: the children heard it once already
+        st = self._requests.get(req_context.req_id)
+        if st is None:
+            st = RequestState([False] * len(self.tiers))
+        st.finished = True  # the children hear of it once its stores and jobs land
+        self._maybe_finish(req_context, st)
+
+    # ---- lookups (a CPU miss: promotion.py) ----------------------------------
+
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        r = self.primary.lookup(key, req_context)  # raises on a malformed key: count nothing before
+        self._count("lookups")
+        if self.tiers:
+            if r is _MISS:
+                r = self.promotions.lookup(key, req_context)
+            elif r is _HIT:
+                self._state(req_context).cpu_hits[key] = None
+        self._count(_LOOKUP_COUNTER[r])
+        return r
+
+    # ---- loads (CPU -> GPU: the primary's) ---------------------------------
+
+    def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext):
+        return self.primary.prepare_load(keys, req_context)
+
+    def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.primary.complete_load(keys, req_context)
+
+    def touch(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
+        self.primary.touch(keys, req_context)
+        for t in self.tiers:
+            t.manager.touch(keys, req_context)
+        if self._admitting:
+            # reuse is an offer: a chunk a tier admits now, while resident
+            # in CPU, is written down now
+            keys = list(dict.fromkeys(keys))
+            for i, t in self._admitting:
+                admitted = t.admission.offer(keys)
+                if admitted:
+                    self._cascade(i, admitted, req_context)
+
+    # ---- stores ---------------------------------------------------------------
+
+    def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
+        out = self.primary.prepare_store(keys, req_context)
+        if out is None:
+            return None  # refused: not an offer, and nothing will complete
+        if self._admitting:
+            offered = list(dict.fromkeys(keys))
+            for _, t in self._admitting:
+                t.admission.offer(offered)  # written down when admitted and stored (complete_store)
+        st = self._requests.get(req_context.req_id)
+        if out.keys_to_store and not self._done(req_context):
+            if st is None:
+                st = self._state(req_context)
+            st.stores += 1  # one complete_store will come for it
+            st.ctx = req_context
+        if st is not None and any(st.request_level):
+            new = set(out.keys_to_store)
+            resident = [k for k in keys if k not in new]
+            for i, wants in enumerate(st.request_level):
+                if wants and resident:
+                    self._cascade(i, resident, req_context)
+        return out
+
+    def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
+                       success: bool = True) -> None:
+        self.primary.complete_store(keys, req_context, success)
+        st = self._requests.get(req_context.req_id)
+        if st is not None and st.stores:
+            st.stores -= 1
+        if success:
+            for i, t in enumerate(self.tiers):
+                admission = t.admission
+                self._cascade(i, keys if admission is None else [k for k in keys if admission.admitted(k)],
+                              req_context)
+        if st is not None and st.finished:
+            self._maybe_finish(req_context, st)
+
+    def _pin_readable(self, keys: Collection[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
+        """Pin (prepare_load) the keys readable in CPU; returns them."""
+        slot_of = self.primary.slot_of
+        cand = [k for k in dict.fromkeys(keys) if slot_of(k) is not None]
+        if not cand:
+            return cand
+        try:  # one call in the common case; the CPU tier has no "readable" query
+            self.primary.prepare_load(cand, ctx)
+            return cand
+        except BlockStateError:  # some still being written (nothing pinned): pin the others one by one
+            pinned = []
+            for k in cand:
+                try:
+                    self.primary.prepare_load([k], ctx)
+                    pinned.append(k)
+                except BlockStateError:
+                    pass
+            return pinned
+
+    def _cascade(self, i: int, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        """Write CPU-resident keys down to tier i (unless it is behind)."""
+        t = self.tiers[i]
+        if t.worker is None or not keys or self._done(ctx):
+            return  # (a finished request's children must get no more submits)
+        if t.in_flight + len(keys) > t.max_queue_depth:
+            t.count("dropped_stores", len(keys))  # the tier is behind: shed, don't stall
+            return
+        pinned = self._pin_readable(keys, ctx)
+        if not pinned:
+            return
+        out = t.manager.prepare_store(pinned, ctx)
+        to_store = out.keys_to_store if out is not None else []
+        if out is None:
+            t.count("dropped_stores", len(pinned))
+        if len(to_store) < len(pinned):
+            keep = set(to_store)
+            self.primary.complete_load([k for k in pinned if k not in keep], ctx)
+        if not to_store:
+            return
+        slot_of = self.primary.slot_of
+        src = CPULoadStoreSpec([slot_of(k) for k in to_store])
+        job = self.jobs.new_id()
+        if not t.worker.submit_store(job, src, out.store_spec):
+            t.manager.complete_store(to_store, ctx, success=False)
+            self.primary.complete_load(to_store, ctx)
+            t.count("dropped_stores", len(to_store))
+            return
+        self.jobs.add(job, i, True, to_store, ctx)
+        t.in_flight += len(to_store)
+        t.count("cascaded_blocks", len(to_store))
+        self._state(ctx).jobs += 1
+
+    # ---- job completions ----------------------------------------------------
+
+    def poll(self) -> None:
+        """Apply the secondary workers' finished jobs (jobs.py)."""
+        self.jobs.apply_finished(self.primary, self.tiers, self._job_done)
+
+    def _job_done(self, job: Job, success: bool) -> None:
+        st = self._requests.get(job.ctx.req_id)
+        if st is None:
+            return
+        if not success and not job.is_store:
+            st.failed.update(job.keys)
+        st.jobs -= 1
+        self._maybe_finish(job.ctx, st)
+
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self.primary.on_schedule_end(context)
+        self.poll()
+        if self.promotions:
+            self.promotions.flush()
+        for t in self.tiers:
+            t.manager.on_schedule_end(context)
+
+    def has_pending_work(self) -> bool:
+        # Applies nothing: jobs a worker finished stay pending until the
+        # engine's next step (on_schedule_end), which pending work asks for.
+        return bool(self.jobs or self.promotions) or self.primary.has_pending_work() or any(
+            t.manager.has_pending_work() for t in self.tiers)
+
+    def wait_idle(self) -> None:
+        """Block until every secondary job has finished, then apply them."""
+        for i, t in enumerate(self.tiers):
+            if t.worker is not None:
+                t.worker.wait(self.jobs.ids_of_tier(i))
+        self.poll()
+
+    # ---- events, stats, lifecycle -------------------------------------------
+
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        events = list(self.primary.take_events())
+        for t in self.tiers:
+            for e in t.manager.take_events():
+                if e.ownership is None:
+                    e.ownership = t.name
+                events.append(e)
+        return events
+
+    def get_stats(self) -> OffloadingStats:
+        children = [self.primary.get_stats()]
+        for t in self.tiers:
+            s = t.manager.get_stats() or OffloadingStats(tier=t.name, medium=t.medium, locality=t.locality)
+            for k, v in t.counters.items():
+                s.counters[k] = s.counters.get(k, 0) + v
+            t.counters = {}
+            s.gauges["queue_depth"] = t.in_flight
+            children.append(s)
+        counters, self._counters = self._counters, {}
+        return OffloadingStats(tier=self.name, counters=counters, children=children)
+
+    def reset_cache(self) -> None:
+        """vLLM's reset contract (see CPUOffloadingManager.reset_cache): the
+        engine's loads and stores in flight are dropped, never completed, and
+        on_reset_flushed() follows once its workers finished them. This
+        manager's own jobs (cascades reading CPU slots, promotions writing
+        them) are waited for and completed here, so none touches a CPU slot
+        after the reset (one a worker reports late is completed on its tier's
+        side only: jobs.py); promotions queued but not submitted are dropped.
+        Later promotions need no hold: the CPU slots an engine job dropped
+        by the reset may still write are fenced, never handed out, until
+        on_reset_flushed(). Requests keep their state, less the dropped
+        store jobs; finished ones are finished now."""
+        self.wait_idle()
+        self.jobs.new_epoch()
+        self.promotions.clear()
+        self.primary.reset_cache()
+        for t in self.tiers:
+            t.manager.reset_cache()
+            if t.admission is not None:
+                t.admission.clear()
+        for st in list(self._requests.values()):
+            st.stores = 0  # dropped: complete_store will not come
+            st.cpu_hits.clear()
+        for st in list(self._requests.values()):
+            if st.finished and st.ctx is not None:
+                self._maybe_finish(st.ctx, st)
+
+    def on_reset_flushed(self) -> None:
+        """The engine's workers finished every job dropped by the resets so far."""
+        self.primary.on_reset_flushed()
+        self.promotions.held = False
+
+    def release_fenced_slots(self) -> None:
+        """For an engine whose worker finishes a reset's dropped jobs before
+        it starts any later one (vLLM 0.32) but that says nothing when: the
+        fenced CPU slots are freed for its later jobs now, and promotions
+        (our writes, which that order does not cover) wait, secondary hits
+        answering MISS, until on_reset_flushed()."""
+        self.promotions.held = True
+        self.promotions.clear()  # not submitted yet: they would take the freed slots
+        self.primary.on_reset_flushed()
+
+    def awaiting_flush(self) -> bool:
+        """True while slots of jobs dropped by a reset are held back."""
+        return self.primary.awaiting_flush()
+
+    def shutdown(self) -> None:
+        self.wait_idle()
+        for t in self.tiers:
+            if t.worker is not None:
+                t.worker.shutdown()
+            t.manager.shutdown()
+        self.primary.shutdown()

@@ -1,0 +1,129 @@
+"""Promotions: chunks a secondary tier holds and CPU lacks, read back into
+CPU slots. A secondary hit is queued per (tier, request) and answered
+HIT_PENDING; on_schedule_end submits each queue as one job. Once the chunk
+lands in CPU the lookup is a HIT; if no CPU slot can be freed or the read
+fails, a MISS (the request's `failed` set)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from kvoffload.abstractions import LookupResult, OffloadKey, ReqContext
+from kvoffload.requests import rest_of_prefix
+from kvoffload.tiering.jobs import JobTable
+from kvoffload.tiering.state import RequestState
+from kvoffload.tiering.tier import Tier
+from kvoffload.tiers.cpu.manager import CPUOffloadingManager
+
+_MISS, _HIT, _PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
+
+
+class Promotions:
+    def __init__(self, primary: CPUOffloadingManager, tiers: list[Tier], jobs: JobTable,
+                 state_of: Callable[[ReqContext], RequestState]):
+        self.primary = primary
+        self.tiers = tiers
+        self._jobs = jobs
+        self._state_of = state_of
+        # (tier index, req_id) -> (ctx, keys to promote); submitted by flush()
+        self._queue: dict[tuple[int, str], tuple[ReqContext, list[OffloadKey]]] = {}
+        self._queued: set[OffloadKey] = set()
+        self.held = False  # see TieringManager.release_fenced_slots()
+
+    def __bool__(self) -> bool:
+        return bool(self._queue)
+
+    def clear(self) -> None:
+        """Drop what is queued (not submitted yet)."""
+        self._queue.clear()
+        self._queued.clear()
+
+    def drop_request(self, req_id: str) -> None:
+        for qk in [qk for qk in self._queue if qk[1] == req_id]:
+            _, keys = self._queue.pop(qk)
+            self._queued.difference_update(keys)
+
+    def lookup(self, key: OffloadKey, ctx: ReqContext) -> LookupResult:
+        """A CPU miss: ask the secondary tiers the request's filter allows, in order."""
+        if key in self._queued:
+            return _PENDING
+        if self.held:
+            return _MISS
+        st = self._state_of(ctx)
+        if key in st.failed:
+            return _MISS
+        allows = ctx.load_tier_filter.allows
+        for i, t in enumerate(self.tiers):
+            if t.worker is None or not allows(t.medium, t.locality):
+                continue
+            r = t.manager.lookup(key, ctx)
+            if r is _HIT:
+                q = self._queue.get((i, ctx.req_id))
+                if q is None:
+                    q = self._queue[(i, ctx.req_id)] = (ctx, [])
+                q[1].append(key)
+                self._queued.add(key)
+                self._queue_rest_of_prefix(t, key, ctx, st, q[1])
+                return _PENDING
+            if r is not _MISS:
+                return r  # HIT_PENDING (a write to it is landing) or RETRY
+        return _MISS
+
+    def _queue_rest_of_prefix(self, t: Tier, key: OffloadKey, ctx: ReqContext,
+                              st: RequestState, queued: list[OffloadKey]) -> None:
+        """Queue the chunks after `key` that this tier holds and CPU lacks, up
+        to the first it does not hold: the scheduler stops at the first
+        HIT_PENDING, so without this a prefix of N chunks would take N steps.
+        Capped at half of CPU so a batch's promotion can still find room."""
+        budget = max(0, self.primary.num_chunks // 2 - len(queued))
+        slot_of = self.primary.slot_of
+        for k in rest_of_prefix(key, ctx):
+            if budget <= 0:
+                break
+            if slot_of(k) is not None or k in self._queued:
+                continue  # already in (or on its way to) CPU
+            if k in st.failed or t.manager.lookup(k, ctx) is not _HIT:
+                break
+            queued.append(k)
+            self._queued.add(k)
+            budget -= 1
+
+    def flush(self) -> None:
+        """Submit the queued promotions, one job per (tier, request)."""
+        queue, self._queue = self._queue, {}
+        self._queued.clear()
+        primary = self.primary
+        slot_of = primary.slot_of
+        for (i, _), (ctx, keys) in queue.items():
+            t, st = self.tiers[i], self._state_of(ctx)
+            # the request's CPU hits ride along: already stored, so protected from eviction
+            resident = [k for k in st.cpu_hits if slot_of(k) is not None]
+            out = primary.prepare_store(resident + keys, ctx)
+            if out is None and len(keys) > 1:  # no room for the look-ahead: the first chunk alone
+                keys = keys[:1]
+                out = primary.prepare_store(resident + keys, ctx)
+            if out is None:  # no CPU slot can be freed
+                self._failed(t, st, keys)
+                continue
+            keys = out.keys_to_store  # others reached CPU meanwhile
+            if not keys:
+                continue
+            try:
+                src = t.manager.prepare_load(keys, ctx)
+            except KeyError:  # the tier's documented answer: the chunk left it since the lookup
+                primary.complete_store(keys, ctx, success=False)
+                self._failed(t, st, keys)
+                continue
+            job = self._jobs.new_id()
+            if not t.worker.submit_load(job, src, out.store_spec):
+                t.manager.complete_load(keys, ctx)
+                primary.complete_store(keys, ctx, success=False)
+                self._failed(t, st, keys)
+                continue
+            self._jobs.add(job, i, False, keys, ctx)
+            st.jobs += 1
+
+    @staticmethod
+    def _failed(t: Tier, st: RequestState, keys: list[OffloadKey]) -> None:
+        st.failed.update(keys)
+        t.count("promotion_failures", len(keys))

@@ -1,0 +1,22 @@
+"""The tiering manager's view of one request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvoffload.abstractions import OffloadKey, ReqContext
+
+
+@dataclass
+class RequestState:
+    request_level: list[bool]  # per tier: wants already-resident chunks too
+    failed: set[OffloadKey] = field(default_factory=set)  # promotions that failed: MISS
+    # keys it found readable in CPU: its promotions must not evict them, or a
+    # prefix longer than what CPU can spare would never be resident at once
+    cpu_hits: dict[OffloadKey, None] = field(default_factory=dict)
+    jobs: int = 0  # secondary jobs in flight for this request
+    # primary (GPU -> CPU) store jobs in flight: each may cascade when it
+    # completes, so the children hear on_request_finished only after the last
+    stores: int = 0
+    ctx: ReqContext | None = None  # set with the first store (a reset may finish it)
+    finished: bool = False

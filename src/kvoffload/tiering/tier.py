@@ -1,0 +1,79 @@
+"""Secondary tier types by name, and the Tier: one secondary tier (its
+manager, its worker once the host pool exists, its admission filter and
+back-pressure limit) as the tiering manager drives it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvoffload.abstractions import OffloadingManager
+from kvoffload.policies.admission import AdmissionFilter, StoreCountAdmission
+from kvoffload.registry import load_class
+from kvoffload.tiers.base import Namespace, SecondaryTier, TierWorker
+
+# type name -> "module:Class" of a SecondaryTier with a classmethod
+# from_config(conf: dict, ctx: TierContext); imported on first use.
+_TIER_TYPES: dict[str, str] = {
+    "storage": "kvoffload.tiers.storage.tier:StorageTier",
+    "redis": "kvoffload.tiers.remote.tier:RemoteTier",
+    "mooncake": "kvoffload.tiers.mooncake.tier:MooncakeTier",
+}
+
+# keys of a secondary_tiers entry that the tiering manager reads itself
+TIER_KEYS = ("type", "name", "store_threshold", "max_queue_depth", "admission")
+DEFAULT_STORE_THRESHOLD = 1  # every chunk stored in CPU is written down
+DEFAULT_MAX_QUEUE_DEPTH = 256  # chunks in flight per tier
+
+
+def register_tier_type(name: str, target: str | type[SecondaryTier]) -> None:
+    """Register a secondary tier type by name (a class or "module:Class")."""
+    if isinstance(target, type):
+        target = f"{target.__module__}:{target.__qualname__}"
+    _TIER_TYPES[name] = target
+
+
+def tier_type_names() -> list[str]:
+    return sorted(_TIER_TYPES)
+
+
+def get_tier_class(name: str) -> type[SecondaryTier]:
+    return load_class(name, _TIER_TYPES, SecondaryTier, "secondary tier type", "types")
+
+
+@dataclass(frozen=True)
+class TierContext:
+    """What a tier type is built with besides its own config entry."""
+
+    index: int  # position in secondary_tiers (for error messages)
+    name: str  # unique name; also the `ownership` of its events
+    namespace: Namespace
+    chunk_bytes: int  # host-pool slot size (4 KiB aligned): one chunk per key
+    enable_events: bool
+
+
+@dataclass
+class Tier:
+    """One secondary tier as the tiering manager drives it.
+
+    admission: which chunks are worth writing down (None: all of them);
+    store_threshold > 1 without one means a StoreCountAdmission of that
+    threshold (the config's shorthand)."""
+
+    backend: SecondaryTier
+    store_threshold: int = DEFAULT_STORE_THRESHOLD
+    max_queue_depth: int = DEFAULT_MAX_QUEUE_DEPTH
+    admission: AdmissionFilter | None = None
+    worker: TierWorker | None = None  # attached once the host pool exists
+    in_flight: int = 0  # chunks of store jobs not finished yet
+    counters: dict[str, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.name = self.backend.name
+        self.medium = self.backend.medium
+        self.locality = self.backend.locality
+        self.manager: OffloadingManager = self.backend.get_manager()
+        if self.admission is None and self.store_threshold > 1:
+            self.admission = StoreCountAdmission(self.store_threshold, prefix_closed=False)
+
+    def count(self, name: str, n: float = 1) -> None:
+        self.counters[name] = self.counters.get(name, 0) + n
