@@ -63,7 +63,7 @@ def rest_of_prefix(key: OffloadKey, ctx: ReqContext) -> list[OffloadKey]:
     if key not in positions:
         return []
     prefix = ctx.get_state(_PrefixIndex)
-    if prefix is None or key not in prefix.index:  # keys added since
+    if prefix is None or len(prefix.order) != len(positions):  # keys added since (never removed)
         prefix = _PrefixIndex(positions)
         ctx.set_state(prefix)
     return prefix.order[prefix.index[key] + 1:]

@@ -4,85 +4,12 @@ storage tier on files: cascades, promotions, filters, admission, back-pressure."
 from __future__ import annotations
 
 import numpy as np
-import torch
 import pytest
 
-from kvoffload.abstractions import (
-    LookupResult,
-    Medium,
-    OffloadPolicy,
-    ReqContext,
-    RequestOffloadingContext,
-    ScheduleEndContext,
-)
-from kvoffload.keys import make_offload_key
-from kvoffload.tiering import Tier, TieringManager
-from kvoffload.tiers.base import Namespace
-from kvoffload.tiers.host_pool import HostPool
-from kvoffload.tiers.cpu.manager import CPUOffloadingManager
+from kvoffload.abstractions import Medium, OffloadPolicy, ReqContext, RequestOffloadingContext
 from kvoffload.tiers.storage.manager import StorageOffloadingManager
 from kvoffload.tiers.storage.tier import StorageTier
-
-CHUNK = 16 * 1024
-NS = Namespace(model="m", dtype="f16", layout="t", block_size=16, chunk_bytes=CHUNK)
-END = ScheduleEndContext((), ())
-HIT, MISS, PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
-
-
-def key(i: int) -> bytes:
-    return make_offload_key(i.to_bytes(8, "big"), 0)
-
-
-def pattern(k: bytes) -> np.ndarray:
-    seed = int.from_bytes(k[:8], "big")
-    return (np.arange(seed, seed + CHUNK // 8, dtype=np.uint64) * 11400714819323198485).view(np.uint8)
-
-
-class Rig:
-    """CPU manager + host pool + storage tier, wired like the spec does."""
-
-    def __init__(self, tmp_path, cpu_chunks=4, storage_slots=64, events=False, tier_cls=StorageTier, **tier_kw):
-        self.pool = HostPool(cpu_chunks, CHUNK)
-        self.cpu = CPUOffloadingManager(cpu_chunks, enable_events=events)
-        self.storage = tier_cls(str(tmp_path / "kv"), storage_slots * CHUNK, CHUNK, NS, enable_events=events)
-        self.tier = Tier(self.storage, **tier_kw)
-        self.mgr = TieringManager(self.cpu, [self.tier])
-        self.mgr.attach_workers([self.storage.get_worker(self.pool)])
-
-    def request(self, req_id="r", **params) -> ReqContext:
-        ctx = ReqContext(req_id, kv_transfer_params=params or None)
-        self.mgr.on_new_request(ctx)
-        return ctx
-
-    def gpu_store(self, keys, ctx) -> None:
-        """What the engine does for GPU -> CPU: prepare, copy, complete."""
-        out = self.mgr.prepare_store(keys, ctx)
-        assert out is not None
-        for k, slot in zip(out.keys_to_store, out.store_spec.block_ids):
-            self.pool.chunk(int(slot))[:] = pattern(k)
-        self.mgr.complete_store(out.keys_to_store, ctx)
-
-    def settle(self) -> None:
-        self.mgr.on_schedule_end(END)
-        self.mgr.wait_idle()
-
-    def close(self):
-        self.mgr.shutdown()
-        self.pool.close()
-
-
-@pytest.fixture
-def rig(tmp_path):
-    made = []
-
-    def make(**kw):
-        r = Rig(tmp_path, **kw)
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        r.close()
+from tiering_rig import END, HIT, MISS, PENDING, Rig, key, pattern
 
 
 def test_stores_cascade_to_storage_and_unpin_cpu(rig):
@@ -162,6 +89,24 @@ def test_store_threshold_writes_only_reused_chunks(rig):
     assert sm.lookup(key(1), ctx) is MISS
 
 
+def test_tinylfu_admission_writes_only_reused_chunks(rig):
+    from kvoffload.policies.admission import TinyLFUAdmission
+
+    r = rig(admission=TinyLFUAdmission(threshold=2, prefix_closed=False))
+    ctx = r.request()
+    r.gpu_store([key(0), key(1)], ctx)
+    r.settle()
+    sm = r.storage.get_manager()
+    assert sm.lookup(key(0), ctx) is MISS  # offered once
+    r.mgr.touch([key(0)], ctx)  # reused while resident in CPU: admitted, written now
+    r.settle()
+    assert sm.lookup(key(0), ctx) is HIT
+    assert sm.lookup(key(1), ctx) is MISS
+    r.mgr.touch([key(0)], ctx)  # admitted before: not written again
+    r.settle()
+    assert r.mgr.get_stats().children[1].counters["cascaded_blocks"] == 1
+
+
 def test_back_pressure_drops_and_counts(rig):
     r = rig(cpu_chunks=8, max_queue_depth=2)
     ctx = r.request()
@@ -231,83 +176,6 @@ def test_restart_serves_from_storage(tmp_path):
         r2.close()
 
 
-# ---- through the registered spec, with the real CPU worker -----------------
-
-def _spec(tmp_path, **tier):
-    from kvoffload.config import OffloadingConfig
-    from kvoffload.spec import build_spec
-
-    conf = {"type": "storage", "path": str(tmp_path / "kv"), "capacity_bytes": "1MiB", **tier}
-    config = OffloadingConfig.from_dict({
-        "groups": [{"tokens_per_block": 16}],
-        "extra_config": {"num_cpu_chunks": 2, "kv_bytes_per_chunk": 2 * 8192,
-                         "namespace": {"model": "tiny"}, "secondary_tiers": [conf]},
-    })
-    return build_spec("tiered", config)
-
-
-def _run_job(worker, submit, *args):
-    assert submit(*args)
-    worker.wait({args[0]})
-    assert all(r.success for r in worker.get_finished())
-
-
-def test_spec_gpu_to_storage_and_back_after_restart(tmp_path):
-    from kvoffload.abstractions import CPULoadStoreSpec, GPULoadStoreSpec
-    from kvoffload.kv_caches import random_kv_caches
-
-    tensors, caches = random_kv_caches(8, [8192, 8192])
-    spec = _spec(tmp_path)
-    mgr, worker = spec.get_manager(), spec.get_worker(caches)
-    ctx = ReqContext("r")
-    mgr.on_new_request(ctx)
-    keys = [key(i) for i in range(4)]
-    for i, k in enumerate(keys):  # CPU holds 2: the first two leave CPU, stay in storage
-        out = mgr.prepare_store([k], ctx)
-        _run_job(worker, worker.submit_store, 10 + i, GPULoadStoreSpec([i]), out.store_spec)
-        mgr.complete_store(out.keys_to_store, ctx)
-        mgr.on_schedule_end(END)
-        mgr.wait_idle()
-    original = [t[:4].clone() for t in tensors]
-    mgr.shutdown()
-    worker.shutdown()
-
-    spec2 = _spec(tmp_path)  # a new engine on the same directory
-    mgr2, worker2 = spec2.get_manager(), spec2.get_worker(caches)
-    for t in tensors:
-        t.zero_()
-    ctx = ReqContext("s")
-    mgr2.on_new_request(ctx)
-    assert [mgr2.lookup(k, ctx) for k in keys[:2]] == [PENDING, PENDING]
-    mgr2.on_schedule_end(END)
-    mgr2.wait_idle()
-    assert [mgr2.lookup(k, ctx) for k in keys[:2]] == [HIT, HIT]
-    src = mgr2.prepare_load(keys[:2], ctx)
-    assert isinstance(src, CPULoadStoreSpec)
-    _run_job(worker2, worker2.submit_load, 99, src, GPULoadStoreSpec([0, 1]))
-    mgr2.complete_load(keys[:2], ctx)
-    for t, o in zip(tensors, original):
-        assert torch.equal(t[:2], o[:2])
-    mgr2.shutdown()
-    worker2.shutdown()
-
-
-def test_spec_config_errors_name_the_key(tmp_path):
-    from kvoffload.config import ConfigError
-
-    with pytest.raises(ConfigError, match="store_threshold"):
-        _spec(tmp_path, store_threshold=0)
-    with pytest.raises(ConfigError, match="capacity_bytes"):
-        _spec(tmp_path, capacity_bytes="lots")
-    with pytest.raises(ConfigError, match="unknown key 'pth'"):
-        _spec(tmp_path, pth="x")
-    with pytest.raises(ConfigError, match="unknown secondary tier type 'tape'"):
-        _spec(tmp_path, type="tape")
-    (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match="file"):
-        _spec(tmp_path, path=str(tmp_path / "file" / "kv"))
-
-
 def test_promotions_do_not_evict_the_requests_own_cpu_hits(rig):
     r = rig(cpu_chunks=3)
     ctx = r.request()
@@ -321,22 +189,6 @@ def test_promotions_do_not_evict_the_requests_own_cpu_hits(rig):
     assert [r.mgr.lookup(k, want) for k in (keys[3], keys[4], keys[0])] == [HIT, HIT, PENDING]
     r.settle()
     assert [r.mgr.lookup(k, want) for k in (keys[3], keys[4], keys[0])] == [HIT, HIT, HIT]
-
-
-def test_spec_storage_shorthand(tmp_path):
-    from kvoffload.config import ConfigError, OffloadingConfig
-    from kvoffload.spec import build_spec
-
-    def cfg(**extra):
-        return OffloadingConfig.from_dict({"groups": [16], "extra_config": {
-            "num_cpu_chunks": 2, "kv_bytes_per_chunk": 8192, **extra}})
-
-    spec = build_spec("tiered", cfg(storage_dir=str(tmp_path / "kv"), storage_bytes="64KiB"))
-    (tier,) = spec.get_manager().tiers
-    assert tier.name == "storage" and tier.manager.get_stats().gauges["capacity_blocks"] == 8
-    spec.get_manager().shutdown()
-    with pytest.raises(ConfigError, match="storage_dir and storage_bytes"):
-        build_spec("tiered", cfg(storage_dir=str(tmp_path / "kv2")))
 
 
 def test_one_secondary_hit_promotes_the_rest_of_the_prefix(rig):

@@ -257,11 +257,11 @@ def expected_cpu_slots(engine: Engine) -> tuple[set[bytes], Counter]:
             writes.update(job.keys)
         else:
             reads.update(job.keys)
-    for _tier, is_store, keys, _ctx in getattr(engine.manager, "_jobs", {}).values():
-        if is_store:
-            reads.update(keys)
+    for job in getattr(engine.manager, "jobs", ()):  # the tiered manager's JobTable
+        if job.is_store:
+            reads.update(job.keys)
         else:
-            writes.update(keys)
+            writes.update(job.keys)
             engine.saw_promotions = True
     return writes, reads
 
