@@ -237,7 +237,7 @@ def paced_replay(trace, cpu_blocks: int, tier_conf: dict | None, chunk: int, wai
                          Namespace(model="bench-replay", chunk_bytes=pool.chunk_bytes))
         tiers.append(Tier(st, store_threshold=tier_conf["store_threshold"], max_queue_depth=1 << 30))
     mgr = TieringManager(cpu, tiers)
-    mgr.attach_workers([t.tier.get_worker(pool) for t in tiers])
+    mgr.attach_workers([t.backend.get_worker(pool) for t in tiers])
     refs = hits = bad = 0
     try:
         for n, req in enumerate(trace.requests):

@@ -52,8 +52,8 @@ def test_remote_url_shorthand_picks_mooncake(mooncake, prefix):
     spec = build_spec("tiered", cfg)
     try:
         (tier,) = spec.get_manager().tiers
-        assert tier.name == "mooncake" and tier.tier.config.master_address == mooncake.master_address
-        assert tier.tier.config.key_prefix == prefix
+        assert tier.name == "mooncake" and tier.backend.config.master_address == mooncake.master_address
+        assert tier.backend.config.key_prefix == prefix
     finally:
         spec.get_manager().shutdown()
 
