@@ -283,3 +283,46 @@ def test_bad_config_is_one_clear_line(section, match, tmp_path):
 def test_layer_first_is_refused_clearly(tmp_path):
     with pytest.raises(ConfigError, match="layer_first.*page_first"):
         make_backend({"type": "storage", "path": str(tmp_path), "capacity_bytes": "1MiB"}, layout="layer_first")
+
+
+def make_mla_backend(section: dict, layout="page_first", tp_rank=0, tp_size=1):
+    from sglang_pool import SGLangMLAHostPool
+
+    extra = {"backend_name": "kvoffload", "module_path": "kvoffload.integrations.sglang.backend",
+             "class_name": "KvoffloadHiCacheStorage", "interface_v1": 1, "kvoffload": section}
+    cfg = HiCacheStorageConfig(tp_rank=tp_rank, tp_size=tp_size, pp_rank=0, pp_size=1, attn_cp_rank=0,
+                               attn_cp_size=1, is_mla_model=True, enable_storage_metrics=False,
+                               is_page_first_layout=True, model_name="tiny-mla", extra_config=extra)
+    pool = SGLangMLAHostPool(size=8 * PAGE, page_size=PAGE, layer_num=3, layout=layout)
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    backend.register_mem_pool_host(pool)
+    return backend, pool
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_mla_pages_written_once_shared_by_every_rank(request, tmp_path, prefix, layout):
+    """MLA latents are the same on every TP rank: only SGLang's storage writer (rank 0) stores, rank 1 loads them."""
+    section = tier_section("redis", request, tmp_path, prefix)
+    writer, wpool = make_mla_backend(section, layout, tp_rank=0, tp_size=2)
+    reader, rpool = make_mla_backend(section, layout, tp_rank=1, tp_size=2)
+    try:
+        assert writer.namespace == reader.namespace
+        ks = keys(3, f"mla-{layout}")
+        rpool.fill_random(8)
+        assert reader.batch_set_v1(ks, pages(0, 1, 2)) == [True] * 3  # not the writer: stores nothing
+        assert writer.batch_exists(ks) == 0
+        wpool.fill_random(9)
+        assert writer.batch_set_v1(ks, pages(0, 1, 2)) == [True] * 3
+        assert reader.batch_exists(ks) == 3
+        assert reader.batch_get_v1(ks, pages(5, 6, 7)) == [True] * 3
+        assert [page_bytes(rpool, p) for p in (5, 6, 7)] == [page_bytes(wpool, p) for p in range(3)]
+        got = reader.batch_get(ks[:1], [rpool.get_dummy_flat_data_page()])[0]
+        assert got.view(torch.uint8).numpy().tobytes() == page_bytes(wpool, 0)
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_mla_layout_sglang_has_no_ranges_for_is_refused_clearly(request, tmp_path, prefix):
+    with pytest.raises(ConfigError, match="layer_first"):
+        make_mla_backend(tier_section("redis", request, tmp_path, prefix), "layer_first")

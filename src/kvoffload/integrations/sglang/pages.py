@@ -5,7 +5,8 @@ backend's staging slots.
 A stored page is the concatenation of the byte ranges SGLang's own
 `get_page_buffer_meta(indices)` gives for it, in that order: for MHA
 page_first / page_first_direct / page_head that is the K half of the page
-then the V half, exactly `get_data_page(index, flat=True)`, so the
+then the V half, for MLA page_first / page_first_direct the page's latents:
+exactly `get_data_page(index, flat=True)` in both cases, so the
 zero-copy calls (interface_v1) and the generic ones (flat tensors) store
 the same bytes. layer_first is refused: there the two orders differ.
 
@@ -33,7 +34,8 @@ from kvoffload.tiers.host_pool import HostPool
 # host layouts whose zero-copy ranges, concatenated, are the flat data page
 SUPPORTED_LAYOUTS = ("page_first", "page_first_direct", "page_head")
 # host-pool attributes that change what a page's bytes mean (those a pool has)
-_GEOMETRY_ATTRS = ("layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim")
+_GEOMETRY_ATTRS = ("layer_num", "head_num", "head_dim", "v_head_dim", "kv_lora_rank", "qk_rope_head_dim",
+                   "kv_cache_dim")
 _HEX = frozenset("0123456789abcdef")
 
 
@@ -67,7 +69,11 @@ class PageFormat:
             raise ConfigError(f"kvoffload SGLang backend: host layout {layout!r} is not supported; "
                               f"use --hicache-mem-layout one of {list(SUPPORTED_LAYOUTS)}")
         page_size = int(pool.page_size)
-        ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
+        try:
+            ptrs, sizes = pool.get_page_buffer_meta(torch.arange(page_size, dtype=torch.int64))
+        except (ValueError, NotImplementedError, AssertionError) as e:  # e.g. MLA has no page_head
+            raise ConfigError(f"kvoffload SGLang backend: {type(pool).__name__} with host layout {layout!r} "
+                              f"gives no page byte ranges ({e})") from None
         if not ptrs or len(ptrs) != len(sizes) or any(isinstance(p, (list, tuple)) for p in ptrs):
             raise ConfigError(f"kvoffload SGLang backend: {type(pool).__name__} gives no flat page "
                               f"byte ranges; only KV host pools (MHA/MLA) are supported")
