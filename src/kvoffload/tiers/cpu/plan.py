@@ -104,11 +104,12 @@ class Pieces:
     num_writers: np.ndarray
     writer_index: np.ndarray
     min_blocks: int  # GPU block ids must be below this
+    total: int = 0  # bytes of all pieces of one block
 
     @classmethod
     def of(cls, rows: list[Piece], min_blocks: int) -> Pieces:
         cols = np.array(rows, dtype=np.int64).reshape(-1, len(Piece._fields)).T
-        return cls(*cols, min_blocks=min_blocks)
+        return cls(*cols, min_blocks=min_blocks, total=sum(r.size for r in rows))
 
 
 @dataclass(eq=False)  # hashed by identity: executors key their views on it
@@ -233,18 +234,23 @@ def merge_neighbours(tidx, gpu, pool, size):
     """Merge ranges that continue the previous one on both sides."""
     if len(size) <= 1:
         return tidx, gpu, pool, size
-    cont = (
-        (gpu[1:] == gpu[:-1] + size[:-1])
-        & (pool[1:] == pool[:-1] + size[:-1])
-        & (tidx[1:] == tidx[:-1])
-    )
-    if not cont.any():  # random placement: nothing to merge, skip the reduction
+    cont = gpu[1:] == gpu[:-1] + size[:-1]
+    if not cont.any():  # random placement: nothing merges; stop after one test
+        return tidx, gpu, pool, size
+    cont &= (pool[1:] == pool[:-1] + size[:-1]) & (tidx[1:] == tidx[:-1])
+    if not cont.any():
         return tidx, gpu, pool, size
     starts = np.flatnonzero(np.concatenate(([True], ~cont)))
     return tidx[starts], gpu[starts], pool[starts], np.add.reduceat(size, starts)
 
 
 _EMPTY = np.zeros(0, dtype=np.int64)
+
+
+def _outside(ids: np.ndarray, limit: int) -> bool:
+    """Whether any int64 id is outside [0, limit): one comparison, as a
+    negative id read as unsigned is huge (this runs per job in the caller)."""
+    return bool((ids.view(np.uint64) >= limit).any())
 
 
 class CopyPlanner:
@@ -279,7 +285,7 @@ class CopyPlanner:
         if len(gpu.group_sizes) != len(self.pieces):
             raise ValueError(f"spec has {len(gpu.group_sizes)} groups, kv caches have {len(self.pieces)}")
         slots = cpu.slots
-        if len(slots) and (slots.min() < 0 or slots.max() >= self.num_slots):
+        if _outside(slots, self.num_slots):
             raise ValueError(f"CPU slot ids must be in [0, {self.num_slots}), got {slots.tolist()}")
         groups, block_start, slot_start = [], 0, 0
         for g, (n, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices)):
@@ -293,7 +299,7 @@ class CopyPlanner:
             if n == 0 or not (len(self.pieces[g].size) or self.strided[g]) or len(group_slots) < n_chunks:
                 continue  # nothing to copy (a short slot list is reported below)
             limit = self.block_limit[g]
-            if blocks.min() < 0 or blocks.max() >= limit:
+            if _outside(blocks, limit):
                 raise ValueError(f"group {g}: GPU block ids must be in [0, {limit}), got {blocks.tolist()}")
             groups.append(GroupJob(g, blocks, group_slots, skip))
         if slot_start != len(slots):
@@ -306,7 +312,7 @@ class CopyPlanner:
     def plan(self, job_id: int, direction: str, groups: list[GroupJob]) -> Plan:
         """The byte ranges of a checked job, neighbours merged, and the
         stretches of its strided refs."""
-        parts, strided, strided_bytes = [], [], 0
+        parts, strided, nbytes = [], [], 0
         writers_only = direction == STORE and self.shared_pool
         for g, blocks, slots, skip in groups:
             p, k = self.pieces[g], self.blocks_per_chunk[g]
@@ -320,31 +326,32 @@ class CopyPlanner:
                         mine = blocks % turn[0] == turn[1]
                         by_turn[turn] = strided_stretches(blocks[mine], slots[pos[mine] // k], pos[mine] % k)
                     strided.append((st, by_turn[turn]))
-                    strided_bytes += sum(x[2] for x in by_turn[turn]) * st.ref.page_size_bytes
+                    nbytes += sum(x[2] for x in by_turn[turn]) * st.ref.page_size_bytes
             if not len(p.size):
                 continue
-            # shape (pieces, blocks): piece-major, so one layer's consecutive pages stay neighbours
+            # shape (pieces, blocks): piece-major, so one layer's consecutive pages stay neighbours.
+            # Few numpy ops on small arrays: this runs once per job on the copy thread.
+            n = len(blocks)
+            gpu = blocks * p.block_stride[:, None] + p.src_offset[:, None]
             if k == 1:
-                chunk_base = np.broadcast_to((slots * self.slot_bytes)[None, :], (len(p.size), len(blocks)))
+                pool = (slots * self.slot_bytes) + p.chunk_offset[:, None]
             else:
-                pos = skip + np.arange(len(blocks), dtype=np.int64)  # sub-block position in the job's chunks
-                chunk_base = ((slots[pos // k] * self.slot_bytes)[None, :]
-                              + (pos % k)[None, :] * p.page_in_chunk[:, None])
-            columns = (
-                np.broadcast_to(p.tensor_idx[:, None], chunk_base.shape),
-                p.src_offset[:, None] + blocks[None, :] * p.block_stride[:, None],
-                chunk_base + p.chunk_offset[:, None],
-                np.broadcast_to(p.size[:, None], chunk_base.shape),
-            )
+                pos = skip + np.arange(n, dtype=np.int64)  # sub-block position in the job's chunks
+                pool = (slots[pos // k] * self.slot_bytes + p.chunk_offset[:, None]
+                        + (pos % k) * p.page_in_chunk[:, None])
+            tidx, size = np.repeat(p.tensor_idx, n), np.repeat(p.size, n)
             if writers_only:  # only the writer of a block writes it
-                mine = blocks[None, :] % p.num_writers[:, None] == p.writer_index[:, None]
-                columns = tuple(c[mine] for c in columns)  # same (piece-major) order as ravel
-            parts.append(columns)
+                mine = (blocks % p.num_writers[:, None] == p.writer_index[:, None]).ravel()
+                parts.append((tidx[mine], gpu.ravel()[mine], pool.ravel()[mine], size[mine]))
+                nbytes += int(parts[-1][3].sum())
+            else:
+                parts.append((tidx, gpu.ravel(), pool.ravel(), size))
+                nbytes += n * p.total
         if len(parts) == 1:
-            arrays = [a.ravel() for a in parts[0]]
+            arrays = parts[0]
         elif parts:
-            arrays = [np.concatenate([part[i].ravel() for part in parts]) for i in range(4)]
+            arrays = [np.concatenate([part[i] for part in parts]) for i in range(4)]
         else:
             arrays = [_EMPTY] * 4
         tidx, goff, poff, size = merge_neighbours(*arrays)
-        return Plan(job_id, direction, tidx, goff, poff, size, int(size.sum()) + strided_bytes, strided)
+        return Plan(job_id, direction, tidx, goff, poff, size, nbytes, strided)

@@ -76,9 +76,10 @@ class CPUOffloadingWorker(OffloadingWorker):
         self.last_error: str | None = None
         self._closed = False
         self._lock = threading.Lock()
-        self._done = threading.Condition(self._lock)
         self._in_flight: set[int] = set()
-        self._waited: set[int] = set()  # job ids some wait() call blocks on
+        # per blocked wait(): the job ids it still waits for, and its event;
+        # set once, when the last of them finishes (one wake-up per wait, not per job)
+        self._waiters: list[tuple[set[int], threading.Event]] = []
         self._finished: list[TransferResult] = []
         if self.use_cuda:
             from kvoffload.tiers.cpu.copy_cuda import CUDACopier
@@ -125,18 +126,27 @@ class CPUOffloadingWorker(OffloadingWorker):
     def wait(self, job_ids: set[int]) -> None:
         job_ids = set(job_ids)
         self.copier.poll(block_on=job_ids)
-        with self._done:
-            self._waited |= job_ids & self._in_flight  # finished ones would never leave the set
-            self._done.wait_for(lambda: not (self._in_flight & job_ids))
+        with self._lock:
+            remaining = job_ids & self._in_flight
+            if not remaining:
+                return
+            waiter = (remaining, threading.Event())
+            self._waiters.append(waiter)
+        waiter[1].wait()
 
     def _finish(self, job_id: int, nbytes: int, seconds: float | None) -> None:
         """Report a job; nbytes < 0 means it failed."""
-        with self._done:
+        with self._lock:
             self._in_flight.discard(job_id)
             self._finished.append(TransferResult(job_id, nbytes >= 0, max(nbytes, 0), seconds))
-            if job_id in self._waited:  # wake waiters only for what they wait on
-                self._waited.discard(job_id)
-                self._done.notify_all()
+            for waiter in self._waiters:
+                remaining, done = waiter
+                if job_id in remaining:
+                    remaining.discard(job_id)
+                    if not remaining:
+                        done.set()
+            if self._waiters:
+                self._waiters = [w for w in self._waiters if w[0]]
 
     def shutdown(self) -> None:
         """Finish the jobs already submitted, then stop and unpin the pool."""
