@@ -326,3 +326,16 @@ def test_mla_pages_written_once_shared_by_every_rank(request, tmp_path, prefix, 
 def test_mla_layout_sglang_has_no_ranges_for_is_refused_clearly(request, tmp_path, prefix):
     with pytest.raises(ConfigError, match="layer_first"):
         make_mla_backend(tier_section("redis", request, tmp_path, prefix), "layer_first")
+
+
+def test_exists_counts_the_stored_prefix_of_a_long_batch(section):
+    backend, pool = make_backend(section)
+    try:
+        pool.fill_random(10)
+        ks = keys(40, "long")
+        assert backend.batch_set_v1(ks[:16], pages(*range(16))) == [True] * 16
+        assert backend.batch_set_v1(ks[16:30], pages(*range(14))) == [True] * 14
+        assert backend.batch_exists(ks) == 30
+        assert backend.batch_exists(ks[:29] + ks[30:] + ks[29:30]) == 29
+    finally:
+        backend.close()

@@ -37,18 +37,30 @@ class TierIO:
 
     # -- lookups --------------------------------------------------------
     def present_prefix(self, keys: list[bytes]) -> int:
-        """How many of keys, from the first, the tier holds readable now."""
+        """How many of keys, from the first, the tier holds readable now.
+
+        Each pass asks every key not yet settled, so a remote tier queues one
+        background existence check for the whole batch (not one per key);
+        passes repeat while a key in the prefix is RETRY. The manager turns a
+        check unanswered for lookup_deadline_s into MISS."""
+        done, limit = 0, len(keys)  # keys[:done] are HIT; none past limit can count
         deadline = time.monotonic() + _MAX_LOOKUP_S
-        for i, key in enumerate(keys):
-            while True:
-                with self._lock:
-                    answer = self.manager.lookup(key, self._ctx)
-                if answer is not LookupResult.RETRY or time.monotonic() > deadline:
-                    break
-                time.sleep(_RETRY_SLEEP_S)  # the manager itself turns a stuck check into MISS
-            if answer is not LookupResult.HIT:
-                return i
-        return len(keys)
+        while True:
+            pending = False
+            with self._lock:
+                for j in range(done, limit):
+                    answer = self.manager.lookup(keys[j], self._ctx)
+                    if answer is LookupResult.HIT:
+                        if not pending:
+                            done = j + 1
+                    elif answer is LookupResult.RETRY:
+                        pending = True
+                    else:  # MISS, or HIT_PENDING (still being written): the prefix ends here
+                        limit = j
+                        break
+            if not pending or done >= limit or time.monotonic() > deadline:
+                return done
+            time.sleep(_RETRY_SLEEP_S)
 
     # -- transfers ------------------------------------------------------
     def store(self, keys: list[bytes], slots: list[int]) -> bool:
