@@ -97,3 +97,39 @@ def test_stats_cli_unreachable(capsys):
 
     assert main(["stats", "127.0.0.1:1", "--once"]) == 1
     assert "cannot scrape" in capsys.readouterr().err
+
+
+def test_vllm_names_alongside_ours():
+    m = PrometheusMetrics()
+    cpu = OffloadingStats("cpu", Medium.CPU, Locality.LOCAL,
+                          counters={"hits": 3, "misses": 1, "allocation_failures": 2},
+                          gauges={"capacity_blocks": 10, "pinned_blocks": 1, "pending_blocks": 4})
+    disk = OffloadingStats("storage", Medium.STORAGE, Locality.LOCAL,
+                           counters={"hits": 1, "loaded_bytes": 4096, "stored_bytes": 8192})
+    m.record_stats(OffloadingStats("tiered", children=[cpu, disk]))
+    m.observe_transfer("cpu", "load", 1000, 0.25)
+    m.observe_transfer("cpu", "store", 3000, 0.5)
+    s = samples(m.text())
+    assert s[("vllm:kv_offload_tiering_chunk_queries_total", (("tier", "0:primary"),))] == 4
+    assert s[("vllm:kv_offload_tiering_chunk_hits_total", (("tier", "0:primary"),))] == 3
+    assert s[("vllm:kv_offload_tiering_read_bytes_total", (("tier", "1:storage"),))] == 4096
+    assert s[("vllm:kv_offload_tiering_write_bytes_total", (("tier", "1:storage"),))] == 8192
+    assert s[("vllm:kv_offload_cpu_cache_usage_perc", ())] == 0.5
+    assert s[("vllm:kv_offload_cpu_cache_write_usage_perc", ())] == 0.4
+    assert s[("vllm:kv_offload_allocation_failure_total", ())] == 2
+    assert s[("vllm:kv_offload_load_bytes_total", ())] == 1000
+    assert s[("vllm:kv_offload_store_time_total", ())] == 0.5
+    assert s[("vllm:kv_offload_store_size_count", ())] == 1
+    assert s[("vllm:kv_offload_total_bytes_total", (("transfer_type", "CPU_to_GPU"),))] == 1000
+    assert s[("vllm:kv_offload_total_bytes_total", (("transfer_type", "GPU_to_CPU"),))] == 3000
+    assert s[("vllm:kv_offload_total_time_total", (("transfer_type", "GPU_to_CPU"),))] == 0.5
+
+
+def test_vllm_names_off_and_counters_exported_from_zero():
+    m = PrometheusMetrics(vllm_names=False)
+    m.record_stats(OffloadingStats("cpu", Medium.CPU, Locality.LOCAL, counters={"bad_request_hints": 0}))
+    m.observe_transfer("cpu", "load", 1000, 0.25)
+    s = samples(m.text())
+    assert not [k for k in s if k[0].startswith("vllm:")]
+    # a counter a tier reports is a series from its first report, 0 included (rate() needs it)
+    assert s[("kvoffload_bad_request_hints_total", (("locality", "LOCAL"), ("medium", "CPU"), ("tier", "cpu")))] == 0

@@ -101,8 +101,13 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     o.add_argument("--no-progress", action="store_true")
     o.add_argument("--metrics-port", type=int, help="serve Prometheus /metrics on this port while "
                    "replaying (0: any free port; watch it live with `kvoffload stats 127.0.0.1:PORT`)")
+    o.add_argument("--no-vllm-metric-names", action="store_true",
+                   help="only kvoffload_* series (default: also vLLM's own names for what we share)")
     o.add_argument("--events-endpoint", help="publish KV events (vLLM's ZMQ/msgpack format) on this "
                    "endpoint, e.g. tcp://127.0.0.1:5557")
+    o.add_argument("--events-format", choices=("auto", "map", "array"), default="auto",
+                   help="encoding of each event: vLLM's tagged maps (0.32+) or its earlier positional "
+                        "arrays (default auto: the installed vLLM's, maps without vLLM)")
     o.add_argument("--hold", type=float, default=0.0,
                    help="keep the metrics endpoint up this many seconds after the replay")
     p.set_defaults(func=run)
@@ -282,13 +287,14 @@ def _start_observability(args) -> None:
     if args.metrics_port is not None:
         from kvoffload.metrics import PrometheusMetrics
 
-        args._metrics = PrometheusMetrics(config_info={"policy": args.policy, "spec": args.spec or "auto"})
+        args._metrics = PrometheusMetrics(config_info={"policy": args.policy, "spec": args.spec or "auto"},
+                                          vllm_names=not args.no_vllm_metric_names)
         port = args._metrics.serve(args.metrics_port)
         print(f"kvoffload replay: metrics on http://127.0.0.1:{port}/metrics", file=sys.stderr)
     if args.events_endpoint:
         from kvoffload.events import ZmqEventPublisher
 
-        args._events = ZmqEventPublisher(args.events_endpoint)
+        args._events = ZmqEventPublisher(args.events_endpoint, event_format=args.events_format)
         print(f"kvoffload replay: KV events on {args._events.endpoint}", file=sys.stderr)
 
 
