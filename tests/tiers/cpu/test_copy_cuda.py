@@ -1,10 +1,13 @@
 """The CUDA executor's copy logic (copy_cuda.issue over a strided=False
-plan) run on CPU tensors: streams and events need a GPU, the offsets and
-the one-copy-per-merged-range loop do not. Cross-checked against the CPU
+plan) run on CPU tensors, with memmove as the copy primitive in place of
+cuMemcpyAsync: streams and events need a GPU, the addresses and the
+one-copy-per-merged-range loop do not. Cross-checked against the CPU
 executor, which reads the same pool through another path (strided views
 for mapped refs)."""
 
 from __future__ import annotations
+
+import ctypes
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ import torch
 from kvoffload.abstractions import CanonicalPageMapping, CopyRun, CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.config import OffloadingConfig
 from kvoffload.kv_caches import make_kv_caches, random_kv_caches
-from kvoffload.tiers.cpu.copy_cuda import byte_views, issue
+from kvoffload.tiers.cpu.copy_cuda import base_addresses, issue
 from kvoffload.tiers.cpu.plan import LOAD, STORE, CopyPlanner
 from kvoffload.tiers.cpu.worker import CPUOffloadingWorker
 
@@ -22,14 +25,15 @@ def config(groups, blocks_per_chunk=1):
 
 
 class Recorder:
-    """The copy primitive, counting calls (CPU copy_ instead of an async one)."""
+    """The copy primitive on CPU memory (memmove for cuMemcpyAsync), counting calls."""
 
     def __init__(self):
         self.calls = 0
 
-    def __call__(self, dst, src):
+    def __call__(self, dst: int, src: int, n: int) -> int:
         self.calls += 1
-        dst.copy_(src)
+        ctypes.memmove(dst, src, n)
+        return 0
 
 
 @pytest.fixture
@@ -67,16 +71,16 @@ def test_cuda_plan_round_trips_through_the_cpu_executor(cpu_worker):
     w = cpu_worker(kv, config([16], blocks_per_chunk=2), 8)
     assert w.planner.strided[0]  # the CPU executor takes the other path for the mapped ref
     p = cuda_planner(w)
-    flat, pool_flat = byte_views(kv, w.pool)
+    gpu_base, pool_base = base_addresses(kv, w.pool)
     orig, padding = [t.clone() for t in tensors], raw[:, 2048:].clone()
 
     gpu, cpu = GPULoadStoreSpec([3, 4, 5], block_indices=[1]), CPULoadStoreSpec([6, 2])
-    issue(p.plan(1, STORE, p.check(gpu, cpu)), flat, pool_flat, Recorder())
+    issue(p.plan(1, STORE, p.check(gpu, cpu)), gpu_base, pool_base, Recorder())
     assert w.submit_load(2, cpu, GPULoadStoreSpec([20, 21, 22], block_indices=[1]))  # CPU executor reads it
     wait_ok(w, 2)
     assert w.submit_store(3, GPULoadStoreSpec([7, 8]), CPULoadStoreSpec([5]))  # CPU executor writes
     wait_ok(w, 3)
-    issue(p.plan(4, LOAD, p.check(GPULoadStoreSpec([10, 11]), CPULoadStoreSpec([5]))), flat, pool_flat, Recorder())
+    issue(p.plan(4, LOAD, p.check(GPULoadStoreSpec([10, 11]), CPULoadStoreSpec([5]))), gpu_base, pool_base, Recorder())
     for a, b in zip(orig, tensors):
         assert torch.equal(b[20:23], a[3:6]) and torch.equal(b[10:12], a[7:9])
         assert torch.equal(b[:10], a[:10])  # nothing else written
@@ -87,20 +91,20 @@ def test_one_copy_per_layer_when_blocks_and_slots_are_consecutive(cpu_worker):
     tensors, kv = random_kv_caches(32, [4096, 4096, 4096])  # 3 layers, one slot holds 3 pages
     w = cpu_worker(kv, config([16], blocks_per_chunk=4), 16)
     p, rec = cuda_planner(w), Recorder()
-    flat, pool_flat = byte_views(kv, w.pool)
+    gpu_base, pool_base = base_addresses(kv, w.pool)
     blocks = GPULoadStoreSpec(list(range(8, 16)))  # 8 blocks = 2 chunks, into slots 5, 6
-    n = issue(p.plan(1, STORE, p.check(blocks, CPULoadStoreSpec([5, 6]))), flat, pool_flat, rec)
+    n = issue(p.plan(1, STORE, p.check(blocks, CPULoadStoreSpec([5, 6]))), gpu_base, pool_base, rec)
     assert n == rec.calls == 3 * 2  # per chunk one range per layer (layers alternate in a slot)
     orig = [t.clone() for t in tensors]
     for t in tensors:
         t.zero_()
-    n = issue(p.plan(2, LOAD, p.check(blocks, CPULoadStoreSpec([5, 6]))), flat, pool_flat, rec)
+    n = issue(p.plan(2, LOAD, p.check(blocks, CPULoadStoreSpec([5, 6]))), gpu_base, pool_base, rec)
     assert n == 6 and all(torch.equal(a[8:16], b[8:16]) for a, b in zip(orig, tensors))
 
     _, one_layer = random_kv_caches(32, [4096])
     w1 = cpu_worker(one_layer, config([16]), 16)
     p1 = cuda_planner(w1)
-    f1, pf1 = byte_views(one_layer, w1.pool)
+    f1, pf1 = base_addresses(one_layer, w1.pool)
     job = p1.plan(3, STORE, p1.check(GPULoadStoreSpec(list(range(4, 12))), CPULoadStoreSpec(list(range(2, 10)))))
     assert issue(job, f1, pf1, Recorder()) == 1  # the whole job is one copy
 
@@ -112,4 +116,12 @@ def test_issue_refuses_a_plan_with_strided_parts(cpu_worker):
     w = cpu_worker(kv, config([16]), 4)
     plan = w.planner.plan(1, STORE, w.planner.check(GPULoadStoreSpec([1]), CPULoadStoreSpec([0])))
     with pytest.raises(ValueError, match="strided"):
-        issue(plan, *byte_views(kv, w.pool), Recorder())
+        issue(plan, *base_addresses(kv, w.pool), Recorder())
+
+
+def test_a_failed_copy_raises_naming_the_status(cpu_worker):
+    _, kv = random_kv_caches(8, [1024])
+    w = cpu_worker(kv, config([16]), 4)
+    plan = cuda_planner(w).plan(1, STORE, w.planner.check(GPULoadStoreSpec([1]), CPULoadStoreSpec([0])))
+    with pytest.raises(RuntimeError, match="CUresult 1"):
+        issue(plan, *base_addresses(kv, w.pool), lambda dst, src, n: 1)
