@@ -303,20 +303,27 @@ def print_mac_cost(rows: list[dict], pipeline: int, repeats: int) -> None:
 
 # ---- 4. the Mooncake tier ---------------------------------------------------------------------
 
-def mooncake_reference(store, pool: HostPool, n: int, batch: int) -> dict[str, float]:
+def mooncake_reference(store, pool: HostPool, n: int, batch: int, callers: int = 1) -> dict[str, float]:
     """GB/s of the Mooncake client's own batched zero-copy calls on the same
-    registered slots: batch_put_from, then batch_get_into (no header, no check)."""
+    registered slots: batch_put_from, then batch_get_into (no header, no
+    check), the batches shared out over `callers` threads calling at once
+    (as our io_threads do)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     base, cb, size = pool.tensor.data_ptr(), pool.chunk_bytes, pool.used_chunk_bytes
     keys = [f"ref{time.monotonic_ns()}:{i}" for i in range(n)]
     batches = [range(a, min(n, a + batch)) for a in range(0, n, batch)]
     res = {}
     for name in ("put", "get"):
-        t0 = time.perf_counter()
-        for idx in batches:
+        def call(idx, name=name):
             args = ([keys[i] for i in idx], [base + i * cb for i in idx], [size] * len(idx))
             codes = store.batch_put_from(*args) if name == "put" else store.batch_get_into(*args)
             assert all(c == (0 if name == "put" else size) for c in codes), f"mooncake {name}: {set(codes)}"
-        res[name] = n * size / (time.perf_counter() - t0) / 1e9
+
+        with ThreadPoolExecutor(callers) as ex:
+            t0 = time.perf_counter()
+            list(ex.map(call, batches))
+            res[name] = n * size / (time.perf_counter() - t0) / 1e9
     return res
 
 
@@ -344,27 +351,32 @@ def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int,
             tier = MooncakeTier(srv.tier_config(key_prefix=f"bench{time.monotonic_ns()}", segment_bytes=0,
                                                 batch_bytes=batch * size,
                                                 **({"io_threads": io_threads} if io_threads else {})), ns)
+            callers = tier.config.io_threads
             # one untimed round each first: both clients' connections to the store node are then open
-            mooncake_reference(ref, pool, batch, batch)
+            mooncake_reference(ref, pool, batch, batch, callers)
             drive(tier, pool, batch, batch, shutdown=False)
             ref.remove_all(True)
-            runs = {"mc_put": [], "mc_get": [], "store": [], "load": []}
+            runs = {"mc_put": [], "mc_get": [], "store": [], "load": [], "one_load": []}
             for rep in range(repeats):  # alternate the order, so drift in the machine hits both alike
                 for which in (("ref", "ours") if rep % 2 == 0 else ("ours", "ref")):
                     if which == "ref":
-                        r = mooncake_reference(ref, pool, n, batch)
+                        r = mooncake_reference(ref, pool, n, batch, callers)
                     else:
                         o = drive(tier, pool, n, batch, shutdown=False)
+                        assert np.array_equal(pool.array, before), "mooncake ours: loaded bytes differ"
+                        ref.remove_all(True)
+                        one = drive(tier, pool, n, batch, shutdown=False, load_chunks=n)
                     assert np.array_equal(pool.array, before), f"mooncake {which}: loaded bytes differ"
                     ref.remove_all(True)
                 for k, v in (("mc_put", r["put"]), ("mc_get", r["get"]), ("store", o["store"]),
-                             ("load", o["load"])):
+                             ("load", o["load"]), ("one_load", one["load"])):
                     runs[k].append(v)
                 bar.update()
             tier.shutdown()
             ref.unregister_buffer(pool.tensor.data_ptr())
             pool.close()
-            rows.append({"size": size, "n": n, **{k: statistics.median(v) for k, v in runs.items()}})
+            rows.append({"size": size, "n": n, "callers": callers,
+                         **{k: statistics.median(v) for k, v in runs.items()}})
         bar.close()
         ref.close()
     return rows
@@ -373,15 +385,16 @@ def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int,
 def print_mooncake(rows: list[dict], batch: int, redis_rows: list[dict] | None) -> None:
     redis_by_size = {r["size"]: r for r in redis_rows or [] if r.get("c", 1) == 1}
     print(f"\nMooncake tier, GB/s (median; values held by a store node over loopback TCP, {batch} values per "
-          f"batched call)")
-    print("| value | Mooncake batch_put_from | ours store | ratio | Mooncake batch_get_into | ours load | ratio "
-          "| Redis tier store / load |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          f"batched call; the reference calls from as many threads as our io_threads)")
+    print("| value | threads | Mooncake batch_put_from | ours store | ratio | Mooncake batch_get_into | ours load "
+          "| ratio | ours one load job | ratio | Redis tier store / load |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         rr = redis_by_size.get(r["size"])
         redis = f"{rr['store']:.2f} / {rr['load']:.2f}" if rr else "n/a"
-        print(f"| {r['size'] >> 10} KiB | {r['mc_put']:.2f} | {r['store']:.2f} | {r['store'] / r['mc_put']:.2f} "
-              f"| {r['mc_get']:.2f} | {r['load']:.2f} | {r['load'] / r['mc_get']:.2f} | {redis} |")
+        print(f"| {r['size'] >> 10} KiB | {r['callers']} | {r['mc_put']:.2f} | {r['store']:.2f} "
+              f"| {r['store'] / r['mc_put']:.2f} | {r['mc_get']:.2f} | {r['load']:.2f} | {r['load'] / r['mc_get']:.2f} "
+              f"| {r['one_load']:.2f} | {r['one_load'] / r['mc_get']:.2f} | {redis} |")
 
 
 # ---- 2. two engines sharing the tier -------------------------------------------------------
