@@ -115,3 +115,28 @@ def test_many_rounds_and_threads(mooncake, prefix):
             assert np.array_equal(pool.chunk(n + j)[:chunk], expected(pool, 9, j))
     finally:
         tier.shutdown()
+
+
+def test_large_load_split_over_threads(mooncake, prefix):
+    """A 6 MiB load on three IO threads goes out as three parts (the Redis
+    tier's split): one result for the job, every byte back in its slot."""
+    n, chunk = 6, 1 << 20
+    tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=2 * n, chunk_bytes=chunk, io_threads=3)
+    try:
+        keys = keys_for(n, seed=10)
+        fill(pool, range(n), seed=10)
+        out = m.prepare_store(keys, CTX)
+        assert w.submit_store(1, CPULoadStoreSpec(list(range(n))), out.store_spec)
+        w.wait({1})
+        assert all(r.success for r in w.get_finished())
+        m.complete_store(keys, CTX)
+        spec = m.prepare_load(keys, CTX)
+        assert w.submit_load(2, spec, CPULoadStoreSpec(list(range(n, 2 * n))))
+        w.wait({2})
+        done = w.get_finished()
+        m.complete_load(keys, CTX)
+        assert [(r.job_id, r.success, r.transfer_size) for r in done] == [(2, True, n * pool.used_chunk_bytes)]
+        for j in range(n):
+            assert np.array_equal(pool.chunk(n + j)[:chunk], expected(pool, 10, j))
+    finally:
+        tier.shutdown()

@@ -35,7 +35,10 @@ class RemoteConfig:
     miss_cache_s: float = 0.25  # how long an "absent" answer is trusted (short: other engines store)
     lookup_coalesce_s: float = 0.002  # wait this long to batch lookups before a check
     lookup_deadline_s: float = 0.5  # a lookup unanswered this long after its first RETRY is a MISS
-    io_threads: int = 1  # data connections (one thread each)
+    # data connections (one thread each); a load of >= 2 MiB is split over them. 4: loads of many
+    # chunks ran fastest with 4 of 1/2/4 (docs/BENCHMARKS.md "Remote tier"), the server's output and our
+    # checks overlapping; each connection may hold batch_bytes of replies in the server's output buffer
+    io_threads: int = 4
     batch_bytes: int = 32 << 20  # bytes per pipelined GET/SET round
     max_queue_bytes: int = 1 << 30  # stores queued beyond this are dropped (back-pressure)
     backoff_initial_s: float = 0.05  # first reconnect delay after a failure
