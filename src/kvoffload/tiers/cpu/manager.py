@@ -13,7 +13,10 @@ Recency is per request, as in vLLM 0.33 (whose scheduler never calls
 touch): the keys a request loaded (reused) and stored are recorded on its
 ReqContext and re-ranked once in on_request_finished, head most recent, so a
 request's tail is evicted before its head even when its stores arrived in
-several batches. touch() still works for callers that use it.
+several batches. "Head first" is by the keys' end-token positions on the
+context; a request without positions is ranked in its prepare_store order
+(recorded then: complete_store gets a set), as vLLM 0.33 does. touch()
+still works for callers that use it.
 
 The per-request helpers (prefix order, retention) are kvoffload.requests'.
 """
@@ -46,7 +49,7 @@ from kvoffload.policies.base import admission_of
 from kvoffload.requests import low_retention, prefix_order
 
 PENDING = -1
-_FINISHED = ((), (), False)  # request record after on_request_finished: record nothing more
+_FINISHED = (None,)  # request record after on_request_finished (no prepare order kept): record nothing more
 _HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 
 
@@ -68,6 +71,18 @@ def _check_keys(keys: Collection[object]) -> None:
     elif set(map(type, keys)) != {bytes} or min(map(len, keys)) <= GROUP_BYTES:
         for k in keys:
             check_key(k)
+
+
+_NO_POSITION = float("inf")
+
+
+def _sort_by(keys: list[bytes], rank: dict[bytes, int]) -> list[bytes]:
+    """keys by rank (positions or prepare order); unranked keys last, in given order."""
+    try:
+        return sorted(keys, key=rank.__getitem__)
+    except KeyError:
+        get = rank.get
+        return sorted(keys, key=lambda k: get(k, _NO_POSITION))
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -108,15 +123,31 @@ class CPUOffloadingManager(OffloadingManager):
         self._bad_hints = 0
 
     def _record(self, ctx: ReqContext | None) -> list | None:
-        """This request's [reused keys, stored keys, loaded after storing],
-        kept on its context under this manager (several managers may share
-        one context)."""
+        """This request's [reused keys, stored keys, loaded after storing,
+        prepare order (key -> index; only for a request without key
+        positions), stored batches out of order], kept on its context under
+        this manager (several managers may share one context). After
+        on_request_finished the record is a tuple (prepare order,): None
+        here, nothing more is recorded."""
         if ctx is None:
             return None
         rec = ctx._state.get(self)  # _state: ReqContext's scratch dict, read directly (hot path)
         if rec is None:
-            rec = ctx._state[self] = [[], [], False]
-        return None if rec is _FINISHED else rec
+            rec = ctx._state[self] = [[], [], False, None, False]
+        return None if type(rec) is tuple else rec
+
+    def _rank(self, ctx: ReqContext | None) -> dict | None:
+        """What orders this request's keys head first: its end-token
+        positions, else its recorded prepare_store order, else nothing."""
+        if ctx is None:
+            return None
+        positions = ctx._offload_key_positions  # read directly: hot path
+        if positions:
+            return positions
+        rec = ctx._state.get(self)
+        if rec is None:
+            return None
+        return rec[3] if type(rec) is list else rec[0]
 
     # ---- the spec a worker reads --------------------------------------------
 
@@ -135,11 +166,9 @@ class CPUOffloadingManager(OffloadingManager):
         return BlockStateError(f"{self.name}: {what} of key {missing!r} that is not stored")
 
     def lookup(self, key: OffloadKey, req_context: ReqContext | None = None) -> LookupResult:
-        try:
-            slot = self._slot_of.get(key)
-        except TypeError:  # unhashable
-            slot = None
-        if slot is None:
+        try:  # a subscript, not .get: the hit is the common case (and a try costs nothing)
+            slot = self._slot_of[key]
+        except (KeyError, TypeError):  # not held, or unhashable
             if type(key) is not bytes:
                 check_key(key)
             self._misses += 1
@@ -157,8 +186,15 @@ class CPUOffloadingManager(OffloadingManager):
         except (KeyError, TypeError):
             raise self._not_held(keys, "prepare_load") from None
         rec = self._record(req_context)  # before pinning: a bad context raises with nothing changed
+        values = [state[s] for s in slots]
+        if values and min(values) >= 0 and len(set(slots)) == len(slots):
+            # The usual case (all readable, each key once): pin without per-key branches.
+            for s in slots:
+                state[s] += 1
+            self._num_pinned += values.count(0)
+            values = None
         newly_pinned = 0
-        for i, s in enumerate(slots):
+        for i, s in enumerate(slots if values else ()):
             v = state[s]
             if v == PENDING:
                 for s2 in slots[:i]:  # undo: nothing changes on error
@@ -189,6 +225,14 @@ class CPUOffloadingManager(OffloadingManager):
             slots = [slot_of[k] for k in keys]
         except (KeyError, TypeError):
             raise self._not_held(keys, "complete_load") from None
+        values = [state[s] for s in slots]
+        if values and min(values) > 0 and len(set(slots)) == len(slots):
+            # The usual case (all pinned, each key once): unpin without per-key branches.
+            for s in slots:
+                state[s] -= 1
+            self._num_pinned -= values.count(1)
+            self._loaded += len(slots)
+            return
         unpinned = 0
         for i, s in enumerate(slots):
             v = state[s]
@@ -216,6 +260,12 @@ class CPUOffloadingManager(OffloadingManager):
         def can_evict(key: bytes) -> bool:
             return state[slot_of[key]] == 0 and key not in protected
 
+        def all_evictable(keys: list[bytes]) -> bool:
+            # C-level over a batch of candidates: every state 0 (falsy), none protected
+            return not any(map(state.__getitem__, map(slot_of.__getitem__, keys))) and (
+                not protected or protected.isdisjoint(keys))
+
+        can_evict.all = all_evictable  # optional fast path for policies (see ARC's _pick)
         return can_evict
 
     def prepare_store(
@@ -253,11 +303,7 @@ class CPUOffloadingManager(OffloadingManager):
                 return None
         if need > 0:
             evicted = victims
-            state = self._state
-            for k in victims:
-                s = slot_of.pop(k)
-                state[s] = 0
-                free.append(s)
+            free.extend(map(slot_of.pop, victims))  # their state is 0 already: can_evict said so
             self._evictions += len(victims)
             if self._events is not None:
                 self._events.append(OffloadingEvent(list(victims), self.medium, True, self.locality))
@@ -270,6 +316,14 @@ class CPUOffloadingManager(OffloadingManager):
         for s in slots:
             state[s] = PENDING
         self._num_pending += len(new)
+        if req_context is not None and not req_context._offload_key_positions:
+            rec = self._record(req_context)
+            if rec is not None:
+                order = rec[3]
+                if order is None:
+                    order = rec[3] = {}
+                n = len(order)
+                order.update(zip(new, range(n, n + len(new))))
         return PrepareStoreOutput(keys_to_store=new, store_spec=self._make_spec(slots), evicted_keys=evicted)
 
     def complete_store(
@@ -307,14 +361,20 @@ class CPUOffloadingManager(OffloadingManager):
         if success:
             for s in slots:
                 state[s] = 0
-            ordered = prefix_order(pending, req_context)
+            rank = self._rank(req_context)
+            ordered = pending if rank is None or len(pending) < 2 else _sort_by(pending, rank)
             if low_retention(req_context):
                 self.policy.insert_cold(ordered, req_context)
             else:
                 self.policy.insert(ordered, req_context)
             rec = self._record(req_context)
             if rec is not None:
-                rec[1].extend(ordered)
+                stored = rec[1]
+                if stored and rank is not None and not rec[4]:
+                    # a batch ranked before the last one: on_request_finished must sort
+                    get = rank.get
+                    rec[4] = get(ordered[0], _NO_POSITION) < get(stored[-1], _NO_POSITION)
+                stored.extend(ordered)
             self._stored += len(pending)
             if self._events is not None:
                 self._events.append(OffloadingEvent(pending, self.medium, False, self.locality))
@@ -343,17 +403,23 @@ class CPUOffloadingManager(OffloadingManager):
         request ends newest-first from its head. Keys gone since are skipped."""
         state = req_context._state
         rec = state.get(self)
-        state[self] = _FINISHED
-        if rec is None or rec is _FINISHED or low_retention(req_context):
+        if rec is None or type(rec) is tuple:
+            state[self] = _FINISHED
             return
-        reused, stored, read_back = rec
+        # a late complete_store still needs the prepare order
+        state[self] = _FINISHED if rec[3] is None else (rec[3],)
+        if low_retention(req_context):
+            return
+        reused, stored, read_back, _, unsorted = rec
         if read_back:
             # Reading back what this request stored (a cascade to a lower
             # tier, a promotion) is an internal transfer, not a reuse.
             own = set(stored)
             reused = [k for k in reused if k not in own]
         if stored:  # sorted per batch already; batches may have landed out of order
-            self.policy.refresh(prefix_order(stored, req_context), req_context)
+            if unsorted:
+                stored = _sort_by(stored, self._rank(req_context))
+            self.policy.refresh(stored, req_context)
         if reused:  # loads come in prefix order (the scheduler's lookup order)
             self.policy.touch(reused, req_context)
 
