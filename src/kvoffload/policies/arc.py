@@ -11,13 +11,10 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
-from itertools import islice
+from itertools import islice, repeat
 
 from kvoffload.abstractions import ReqContext
 from kvoffload.policies.base import EvictionPolicy
-
-
-_ABSENT = object()
 
 
 def _pick(it: Iterator[bytes], n: int, can_evict: Callable[[bytes], bool]) -> list[bytes]:
@@ -69,22 +66,13 @@ class ARCPolicy(EvictionPolicy):
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         t1, t2 = self.t1, self.t2
-        move2 = t2.move_to_end
         rk = keys[::-1]  # reversed, so the head ends up most recent in T2
-        if t1.keys().isdisjoint(rk):
-            # The usual reuse of a hot prefix: no key in T1, so this only
-            # re-ranks within T2 (C-level: unknown keys filtered out).
-            deque(map(move2, filter(t2.__contains__, rk)), 0)
-            return
-        pop1 = t1.pop
-        for k in rk:
-            if pop1(k, _ABSENT) is _ABSENT:
-                try:
-                    move2(k)
-                except KeyError:
-                    pass
-            else:
-                t2[k] = None
+        hit1 = t1.keys() & rk  # seen once before: promoted (usually few; a hot prefix is in T2)
+        for k in hit1:
+            del t1[k]
+            t2[k] = None  # placed by the pass below
+        # Every key held (now all in T2) to the MRU end in order, unknown keys skipped: C-level.
+        deque(map(t2.move_to_end, filter(t2.__contains__, rk)), 0)
 
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         # Re-rank within the key's own list: storing is not a second use.
@@ -132,17 +120,16 @@ class ARCPolicy(EvictionPolicy):
 
     def _trim_ghosts(self) -> None:
         # ARC's directory bounds: |T1|+|B1| <= c and |T1|+|T2|+|B1|+|B2| <= 2c.
+        # (oldest ghosts first; C-level pops: about one per stored key once full)
         c, b1, b2 = self.capacity, self.b1, self.b2
         over1 = min(len(self.t1) + len(b1) - c, len(b1))
-        for _ in range(over1):
-            b1.popitem(last=False)
+        if over1 > 0:
+            deque(map(b1.popitem, repeat(False, over1)), 0)
         over = len(self.t1) + len(self.t2) + len(b1) + len(b2) - 2 * c
         if over > 0:
             from2 = min(over, len(b2))
-            for _ in range(from2):
-                b2.popitem(last=False)
-            for _ in range(over - from2):
-                b1.popitem(last=False)
+            deque(map(b2.popitem, repeat(False, from2)), 0)
+            deque(map(b1.popitem, repeat(False, over - from2)), 0)
 
     def __len__(self) -> int:
         return len(self.t1) + len(self.t2)

@@ -361,7 +361,8 @@ class CPUOffloadingManager(OffloadingManager):
         if success:
             for s in slots:
                 state[s] = 0
-            rank = self._rank(req_context)
+            # positions read directly (hot path); without them, the prepare order
+            rank = None if req_context is None else (req_context._offload_key_positions or self._rank(req_context))
             ordered = pending if rank is None or len(pending) < 2 else _sort_by(pending, rank)
             if low_retention(req_context):
                 self.policy.insert_cold(ordered, req_context)
