@@ -146,13 +146,43 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
     return [str(path)]
 
 
+TUNE = ("agentic-tune", "chat-tune")
+
+
+def table(out_dir: Path, workloads: list[str], candidate: str = "chain") -> str:
+    """Markdown: per workload and capacity, LRU, ARC, the candidate, the offline
+    LRU and Belady, and the candidate's distance from the best of LRU and ARC."""
+    lines = [f"| workload | split | blocks | LRU | ARC | {candidate} | offline LRU | Belady | "
+             f"{candidate} - best(LRU, ARC) | within 0.002 |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for w in workloads:
+        runs = {}
+        for p in ("lru", "arc", candidate):
+            f = out_dir / f"{w}__{p}.json"
+            if f.exists():
+                runs[p] = [r["summary"] for r in json.loads(f.read_text())]
+        if len(runs) < 3:
+            continue
+        for i, lru in enumerate(runs["lru"]):
+            rate = {p: runs[p][i]["offload_prefix_hit_rate"] for p in runs}
+            oracle = next(r[i] for r in runs.values() if "oracle:belady" in r[i])
+            diff = rate[candidate] - max(rate["lru"], rate["arc"])
+            lines.append(f"| {w} | {'TUNE' if w in TUNE else 'JUDGE'} | {lru['tiers']['cpu']['capacity_blocks']:,} | "
+                         f"{rate['lru']:.4f} | {rate['arc']:.4f} | {rate[candidate]:.4f} | {oracle['oracle:lru']:.4f} | "
+                         f"{oracle['oracle:belady']:.4f} | {diff:+.4f} | {'yes' if diff >= -0.002 else '**no**'} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--sweep", default="1%,5%,10%")
     ap.add_argument("--policies", nargs="+", default=["lru", "arc", "chain"])
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "policy_workloads")
+    ap.add_argument("--table", action="store_true", help="only print the Markdown table of the runs in --out")
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(args.out, args.workloads, args.policies[-1]))
+        return
     args.out.mkdir(parents=True, exist_ok=True)
     for w in args.workloads:
         for p in args.policies:
