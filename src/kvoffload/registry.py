@@ -30,3 +30,25 @@ def load_class(name: str, table: dict[str, str | type], base: type, what: str, p
         article = "an" if base.__name__[0] in "AEIOU" else "a"
         raise ConfigError(f"{what} {name!r} is {target!r}, not {article} {base.__name__} subclass")
     return target
+
+
+class Registry:
+    """Classes of one kind by name (a class or its "module:Class" path,
+    imported on first use so optional extras stay optional)."""
+
+    def __init__(self, base: type, what: str, plural: str, entries: dict[str, str | type] | None = None):
+        self.base, self.what, self.plural = base, what, plural
+        self._table: dict[str, str | type] = dict(entries or {})
+
+    def register(self, name: str, target: str | type) -> None:
+        if isinstance(target, type):
+            target = f"{target.__module__}:{target.__qualname__}"
+        self._table[name] = target
+
+    def names(self) -> list[str]:
+        return sorted(self._table)
+
+    def get(self, name: object) -> type:
+        """A registered name or a "module:Class" / "module.Class" path;
+        ConfigError otherwise, saying what exists."""
+        return load_class(name, self._table, self.base, self.what, self.plural)

@@ -32,6 +32,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from kvoffload.config import ConfigError
+from kvoffload.registry import Registry
 
 
 def _positive_int(owner: str, name: str, value: object) -> int:
@@ -166,10 +167,8 @@ class TinyLFUAdmission(AdmissionFilter):
 
 
 # name -> class, for a secondary tier's `admission` key
-ADMISSION_FILTERS: dict[str, type[AdmissionFilter]] = {
-    "store_count": StoreCountAdmission,
-    "tinylfu": TinyLFUAdmission,
-}
+ADMISSION_FILTERS = Registry(AdmissionFilter, "admission filter", "filters",
+                             {"store_count": StoreCountAdmission, "tinylfu": TinyLFUAdmission})
 
 
 def make_admission(name: object, threshold: int | None, where: str) -> AdmissionFilter:
@@ -177,10 +176,8 @@ def make_admission(name: object, threshold: int | None, where: str) -> Admission
     `threshold` if given; ConfigError naming `where` otherwise. Built with
     prefix_closed=False: a tier is offered a store job's keys, not one
     request's prefix in order."""
-    from kvoffload.registry import load_class
-
     try:
-        cls = load_class(name, ADMISSION_FILTERS, AdmissionFilter, "admission filter", "filters")
+        cls = ADMISSION_FILTERS.get(name)
     except ConfigError as e:
         raise ConfigError(f"{where}: {e}") from None
     kw = {"prefix_closed": False}

@@ -8,36 +8,23 @@ from dataclasses import dataclass, field
 
 from kvoffload.abstractions import OffloadingManager
 from kvoffload.policies.admission import AdmissionFilter, StoreCountAdmission
-from kvoffload.registry import load_class
+from kvoffload.registry import Registry
 from kvoffload.tiers.base import Namespace, SecondaryTier, TierWorker
 
-# type name -> "module:Class" of a SecondaryTier with a classmethod
-# from_config(conf: dict, ctx: TierContext); imported on first use.
-_TIER_TYPES: dict[str, str] = {
+# type name -> a SecondaryTier with a classmethod from_config(conf: dict, ctx: TierContext)
+TIER_TYPES = Registry(SecondaryTier, "secondary tier type", "types", {
     "storage": "kvoffload.tiers.storage.tier:StorageTier",
     "redis": "kvoffload.tiers.remote.tier:RemoteTier",
     "mooncake": "kvoffload.tiers.mooncake.tier:MooncakeTier",
-}
+})
+register_tier_type = TIER_TYPES.register
+tier_type_names = TIER_TYPES.names
+get_tier_class = TIER_TYPES.get
 
 # keys of a secondary_tiers entry that the tiering manager reads itself
 TIER_KEYS = ("type", "name", "store_threshold", "max_queue_depth", "admission")
 DEFAULT_STORE_THRESHOLD = 1  # every chunk stored in CPU is written down
 DEFAULT_MAX_QUEUE_DEPTH = 256  # chunks in flight per tier
-
-
-def register_tier_type(name: str, target: str | type[SecondaryTier]) -> None:
-    """Register a secondary tier type by name (a class or "module:Class")."""
-    if isinstance(target, type):
-        target = f"{target.__module__}:{target.__qualname__}"
-    _TIER_TYPES[name] = target
-
-
-def tier_type_names() -> list[str]:
-    return sorted(_TIER_TYPES)
-
-
-def get_tier_class(name: str) -> type[SecondaryTier]:
-    return load_class(name, _TIER_TYPES, SecondaryTier, "secondary tier type", "types")
 
 
 @dataclass(frozen=True)
