@@ -244,7 +244,7 @@ def test_a_store_completing_after_the_request_finished_still_cascades_then_finis
     assert calls == [("prepare_store", "a")]
     r.settle()  # the cascade lands: no child call can come any more
     assert calls == [("prepare_store", "a"), ("on_request_finished", "a")]
-    assert not r.mgr._requests and not r.mgr.has_pending_work()
+    assert not r.mgr.num_tracked_requests() and not r.mgr.has_pending_work()
     assert r.cpu.get_stats().gauges["pinned_blocks"] == 0
     r.mgr.on_request_finished(ctx)  # told twice: still once for the child
     assert [c for c in calls if c[0] == "on_request_finished"] == [("on_request_finished", "a")]
@@ -277,7 +277,7 @@ def test_reset_drops_engine_jobs_and_fences_their_slots_until_flushed(rig):
     assert pending and load
     r.mgr.reset_cache()
     # b's store will never complete: b is finished now, its child told once
-    assert ("on_request_finished", "b") in calls and "b" not in r.mgr._requests
+    assert ("on_request_finished", "b") in calls and not r.mgr.tracks("b")
     g = r.cpu.get_stats().gauges
     assert (g["pinned_blocks"], g["pending_blocks"], g["fenced_blocks"]) == (0, 0, 2)
     assert r.mgr.lookup(key(1), a) is MISS  # a dropped store is never readable
@@ -296,7 +296,7 @@ def test_reset_drops_engine_jobs_and_fences_their_slots_until_flushed(rig):
     assert r.cpu.get_stats().gauges["fenced_blocks"] == 0 and len(r.cpu._free) == 2
     r.mgr.on_request_finished(a)
     r.settle()
-    assert not r.mgr._requests and not r.mgr.has_pending_work()
+    assert not r.mgr.num_tracked_requests() and not r.mgr.has_pending_work()
     assert [c for c in calls if c[0] == "on_request_finished"] == [
         ("on_request_finished", "b"), ("on_request_finished", "a")]
 

@@ -282,7 +282,7 @@ class TieringMachine(RuleBasedStateMachine):
             assert not self.mgr.has_pending_work()
             g = self.cpu.get_stats().gauges
             assert (g["pinned_blocks"], g["pending_blocks"], g["fenced_blocks"]) == (0, 0, 0)
-            assert not self.mgr._requests and not self.mgr.jobs and not self.mgr.promotions
+            assert not self.mgr.num_tracked_requests() and not self.mgr.jobs and not self.mgr.promotions
             assert all(self.cpu.lookup(k) is not PENDING for k in KEYS)
             assert self.tier.in_flight == 0
             sm = self.tier.manager

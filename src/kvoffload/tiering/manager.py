@@ -69,6 +69,14 @@ class TieringManager(OffloadingManager):
         for t, w in zip(self.tiers, workers, strict=True):
             t.worker = w
 
+    def tracks(self, req_id: str) -> bool:
+        """True while the manager keeps state for the request (until its
+        children heard on_request_finished)."""
+        return req_id in self._requests
+
+    def num_tracked_requests(self) -> int:
+        return len(self._requests)
+
     def _count(self, name: str, n: float = 1) -> None:
         self._counters[name] = self._counters.get(name, 0) + n
 
