@@ -88,6 +88,10 @@ class TieredOffloadingSpec(OffloadingSpec):
         return self.cpu.parallel
 
     @property
+    def geometry(self):
+        return self.cpu.geometry
+
+    @property
     def num_chunks(self) -> int | None:
         return self.cpu.num_chunks
 

@@ -23,6 +23,7 @@ ConfigError on a mismatch (the pool would not hold what the manager counts).
 Without any of them, get_worker() must come first (one process): the size
 is then taken from the KV caches, or, with shared_pool_path, from the pool
 file the workers made (a manager in another process reads its header).
+The result is one ChunkGeometry (kvoffload.geometry), resolved once.
 
 A model with a KV group of a kind we cannot offload (config groups[].kind
 "mamba", "ssm", "indexer", ...) is refused at construction with
@@ -43,6 +44,13 @@ from kvoffload.config import (
     check_known_keys,
     parse_bytes,
     positive_int,
+)
+from kvoffload.geometry import (
+    ChunkGeometry,
+    check_measured,
+    check_pool_file,
+    chunks_in,
+    declared_chunk_bytes,
 )
 from kvoffload.layout import ParallelLayout, check_config_offloadable
 from kvoffload.policies import get_policy_class
@@ -73,19 +81,21 @@ class CPUOffloadingSpec(OffloadingSpec):
         super().__init__(config)
         self.eviction_policy: str = extra.get("eviction_policy", "lru")
         get_policy_class(self.eviction_policy)  # unknown policy: ConfigError now, not at get_manager
-        self.kv_bytes_per_chunk: int | None = self._declared_chunk_bytes(extra)
+        declared_bytes = declared_chunk_bytes(extra, self.config.tokens_per_chunk)
         if "num_cpu_chunks" in extra and "cpu_bytes_to_use" in extra:
             raise ConfigError("give cpu_bytes_to_use or num_cpu_chunks, not both")
         if "num_cpu_chunks" in extra:
             self.cpu_bytes_to_use = None
-            self.num_chunks: int | None = positive_int(extra["num_cpu_chunks"], "num_cpu_chunks")
+            self._declared_chunks: int | None = positive_int(extra["num_cpu_chunks"], "num_cpu_chunks")
         elif "cpu_bytes_to_use" in extra:
             self.cpu_bytes_to_use = parse_bytes(extra["cpu_bytes_to_use"], "cpu_bytes_to_use")
-            self.num_chunks = None
-            if self.kv_bytes_per_chunk is not None:
-                self.num_chunks = self._chunks_for(self.kv_bytes_per_chunk)
+            self._declared_chunks = None
         else:
             raise ConfigError("CPU offloading needs extra_config cpu_bytes_to_use (or num_cpu_chunks)")
+        # None until a source knows both the chunk size and the count (geometry.py)
+        self.geometry: ChunkGeometry | None = None
+        if declared_bytes is not None:  # with either count key: resolved now
+            self._resolve(declared_bytes, self._declared_chunks)
         tp_size = positive_int(extra.get("tp_size", 1), "tp_size")
         tp_rank = extra.get("tp_rank", 0)
         if isinstance(tp_rank, bool) or not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
@@ -101,6 +111,22 @@ class CPUOffloadingSpec(OffloadingSpec):
         # A private pool is refused now if it cannot fit; a shared one when its file is made
         # (another process may already hold it: its memory is no longer "available").
         self._check_memory(self.kv_bytes_per_chunk if path is None else None, pool=path is None)
+
+    @property
+    def num_chunks(self) -> int | None:
+        """Chunk slots in the CPU tier, once known (num_cpu_chunks, or the geometry)."""
+        return self.geometry.num_chunks if self.geometry is not None else self._declared_chunks
+
+    @property
+    def kv_bytes_per_chunk(self) -> int | None:
+        """KV bytes of one chunk, once known."""
+        return self.geometry.chunk_bytes if self.geometry is not None else None
+
+    def _resolve(self, chunk_bytes: int, num_chunks: int | None) -> None:
+        """The geometry, once: the count is cpu_bytes_to_use's slots unless given."""
+        if num_chunks is None:
+            num_chunks = chunks_in(self.cpu_bytes_to_use, chunk_bytes)
+        self.geometry = ChunkGeometry(self.config.tokens_per_chunk, chunk_bytes, num_chunks)
 
     @property
     def worker(self):
@@ -135,25 +161,6 @@ class CPUOffloadingSpec(OffloadingSpec):
             )
         return dataclasses.replace(config, cache=CacheConfig(tph, bpc))  # re-validated
 
-    def _declared_chunk_bytes(self, extra: dict[str, Any]) -> int | None:
-        if "kv_bytes_per_chunk" in extra and "kv_bytes_per_token" in extra:
-            raise ConfigError("give kv_bytes_per_chunk or kv_bytes_per_token, not both")
-        if "kv_bytes_per_chunk" in extra:
-            return parse_bytes(extra["kv_bytes_per_chunk"], "kv_bytes_per_chunk")
-        if "kv_bytes_per_token" in extra:
-            return parse_bytes(extra["kv_bytes_per_token"], "kv_bytes_per_token") * self.config.tokens_per_chunk
-        return None
-
-    def _chunks_for(self, chunk_bytes: int) -> int:
-        slot = align_up(chunk_bytes)  # the host pool aligns every slot to 4 KiB
-        n = self.cpu_bytes_to_use // slot
-        if n <= 0:
-            raise ConfigError(
-                f"cpu_bytes_to_use={self.cpu_bytes_to_use} holds no chunk of {chunk_bytes} bytes "
-                f"({slot} with alignment)"
-            )
-        return n
-
     def get_manager(self):
         if self._manager is None:
             from kvoffload.tiers.cpu.manager import CPUOffloadingManager
@@ -178,17 +185,11 @@ class CPUOffloadingSpec(OffloadingSpec):
         from kvoffload.tiers.cpu.worker import CPUOffloadingWorker, chunk_layout
 
         _, chunk_bytes = chunk_layout(kv_caches, self.config)
-        if self.kv_bytes_per_chunk is not None and chunk_bytes != self.kv_bytes_per_chunk:
-            raise ConfigError(
-                f"extra_config declares {self.kv_bytes_per_chunk} KV bytes per chunk, but the KV caches "
-                f"have {chunk_bytes} ({chunk_bytes // self.config.tokens_per_chunk} per token over "
-                f"{self.config.tokens_per_chunk} tokens): fix kv_bytes_per_chunk / kv_bytes_per_token"
-            )
-        if self.num_chunks is None:
-            self.num_chunks = self._chunks_for(chunk_bytes)
+        check_measured(self.kv_bytes_per_chunk, chunk_bytes, self.config.tokens_per_chunk)
+        if self.geometry is None:
+            self._resolve(chunk_bytes, self.num_chunks)
         # Only the process that makes a shared pool's file allocates it.
         self._check_memory(chunk_bytes, pool=self.shared_pool_path is None or self.parallel.tp_rank == 0)
-        self.kv_bytes_per_chunk = chunk_bytes
         if self._manager is not None:
             self._manager.chunk_bytes = chunk_bytes
         pool = self._shared_pool(kv_caches, chunk_bytes) if self.shared_pool_path is not None else None
@@ -221,9 +222,6 @@ class CPUOffloadingSpec(OffloadingSpec):
         from kvoffload.tiers.host_pool import SharedHostPool
 
         num_chunks, chunk_bytes = SharedHostPool.geometry(self.shared_pool_path, POOL_WAIT_S)
-        for declared, have, what in ((self.kv_bytes_per_chunk, chunk_bytes, "KV bytes per chunk"),
-                                     (self.num_chunks, num_chunks, "chunks")):
-            if declared is not None and declared != have:
-                raise ConfigError(f"extra_config declares {declared} {what}, but the shared pool "
-                                  f"{self.shared_pool_path} has {have}")
-        self.num_chunks, self.kv_bytes_per_chunk = num_chunks, chunk_bytes
+        check_pool_file(self.shared_pool_path, num_chunks, chunk_bytes, self.num_chunks, self.kv_bytes_per_chunk)
+        if self.geometry is None:
+            self._resolve(chunk_bytes, num_chunks)
