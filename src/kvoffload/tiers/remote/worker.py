@@ -3,7 +3,7 @@ server on io_threads background threads, each with its own connection
 (one per cluster node in cluster mode).
 
 A load is what a request waits for, a store is background: queued loads
-go before queued stores, and a load of several MiB is split into up to
+go before queued stores, and a load of 2 MiB or more is split into up to
 io_threads parts (contiguous runs of its chunks) that the threads move at
 once, each on its own connection; the job is reported when its last part
 is done (failed if any part failed). Stores stay whole, one per thread.
@@ -33,8 +33,8 @@ from kvoffload.tiers.remote.resp import RawConnection
 from kvoffload.tiers.remote.state import SharedState
 from kvoffload.tiers.remote.value import RemoteLoadStoreSpec, ValueCodec
 
-# A load is split only into parts of at least this many bytes: below it the
-# hand-off to another thread costs more than the second connection gains.
+# A load is split only into parts of at least this many bytes: a smaller load
+# waits on round trips, not bytes, and one connection serves it as well.
 MIN_PART_BYTES = 1 << 20
 
 # Values that must go: a later store rewrites the key (SET replaces any type).
