@@ -5,7 +5,9 @@ one run: GB/s of the backend's zero-copy calls (batch_set_v1 /
 batch_get_v1 between an SGLang host pool and the tier) against the tier
 alone moving the same pages from and to its staging slots (the same
 manager/worker calls, without SGLang's page copies and key handling).
-Ratio = backend / tier alone (1.0: the wrapping is free).
+Ratio = backend / tier alone (1.0: the wrapping is free). Then the
+storage-tier backend against SGLang's own file backend (HiCacheFile) on the
+same pages, reads cold for both (O_DIRECT here; fadvise DONTNEED there).
 
     PYTHONPATH=src python benchmarks/bench_sglang.py [--pages 64] [--reps 5]
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import statistics
 import sys
 import tempfile
@@ -85,6 +88,55 @@ def run(name: str, section: dict, n: int, reps: int, layers: int) -> None:
           f"{gbs['get'] / gbs['get_ref']:.2f} |")
 
 
+def uncache(directory: str) -> None:
+    """Drop these files' pages from the page cache (only theirs: the machine is shared)."""
+    for name in os.listdir(directory):
+        fd = os.open(os.path.join(directory, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run_vs_file(n: int, reps: int, layers: int) -> None:
+    """Against SGLang's own file backend (HiCacheFile), driven as SGLang's cache controller drives it
+    (generic path: flat data pages out, dummy pages in, then set_from_flat_data_page), cold reads both."""
+    from sglang.srt.mem_cache.hicache_storage import HiCacheFile
+
+    with tempfile.TemporaryDirectory() as ours_dir, tempfile.TemporaryDirectory() as file_dir:
+        cap = 2 * reps * n * (2 * PAGE * layers * 8 * 128 * 2)
+        backend, pool = make({"type": "storage", "path": ours_dir, "capacity_bytes": cap}, n, layers)
+        cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                   is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                   model_name="bench", extra_config={"file_storage_path": file_dir})
+        hf = HiCacheFile(cfg)
+        idx, back = torch.arange(n * PAGE), torch.arange(n * PAGE, 2 * n * PAGE)
+        res = {k: [] for k in ("set", "file_set", "get", "file_get")}
+
+        def file_get(ks):
+            got = hf.batch_get(ks, [pool.get_dummy_flat_data_page() for _ in ks])
+            for i, page in enumerate(got):
+                pool.set_from_flat_data_page((n + i) * PAGE, page)
+            return all(g is not None for g in got)
+
+        try:
+            for r in range(reps):
+                ks = keys(n, f"vs-file-b{r}")
+                res["set"].append(timed(lambda: all(backend.batch_set_v1(ks, idx))))
+                res["get"].append(timed(lambda: all(backend.batch_get_v1(ks, back))))
+                fk = keys(n, f"vs-file-f{r}")
+                res["file_set"].append(timed(lambda: hf.batch_set(fk, [pool.get_data_page(i * PAGE) for i in range(n)])))
+                uncache(file_dir)
+                res["file_get"].append(timed(lambda: file_get(fk)))
+        finally:
+            backend.close()
+        nbytes = n * backend.format.page_bytes
+        gbs = {k: nbytes / statistics.median(v) / 1e9 for k, v in res.items()}
+        print(f"| set | {gbs['set']:.2f} | {gbs['file_set']:.2f} | {gbs['set'] / gbs['file_set']:.2f} |")
+        print(f"| get (cold) | {gbs['get']:.2f} | {gbs['file_get']:.2f} | {gbs['get'] / gbs['file_get']:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pages", type=int, default=64)
@@ -101,6 +153,10 @@ def main() -> None:
         run("redis", {"type": "redis", "url": srv.unix_url, "lookup_deadline_s": 30.0}, a.pages, a.reps, a.layers)
     finally:
         srv.close()
+    print()
+    print("| vs SGLang's HiCacheFile | kvoffload storage tier GB/s | HiCacheFile GB/s | ratio |")
+    print("|---|---|---|---|")
+    run_vs_file(a.pages, a.reps, a.layers)
 
 
 if __name__ == "__main__":

@@ -41,11 +41,11 @@ def tier_section(kind: str, request, tmp_path, prefix: str) -> dict:
     return {"type": "mooncake", **srv.tier_config(key_prefix=prefix, segment_bytes=0, rpc_timeout_s=30.0, **PATIENT)}
 
 
-def make_backend(section: dict, layout="page_first", staging="1MiB", **cfg) -> tuple[HiCacheStorage, SGLangMHAHostPool]:
+def make_backend(section: dict, layout="page_first", staging="1MiB", job="8KiB", **cfg) -> tuple[HiCacheStorage, SGLangMHAHostPool]:
     """What SGLang's HiCacheController does: factory, then register the host pool."""
     extra = {"backend_name": "kvoffload", "module_path": "kvoffload.integrations.sglang",
              "class_name": "KvoffloadHiCacheStorage", "interface_v1": 1,
-             "kvoffload": {"staging_bytes": staging, **section}}
+             "kvoffload": {"staging_bytes": staging, "job_bytes": job, **section}}
     pool = SGLangMHAHostPool(size=16 * PAGE, page_size=PAGE, layer_num=2, head_num=2, head_dim=32, layout=layout)
     backend = StorageBackendFactory.create_backend("dynamic", storage_config(extra, **cfg), pool)
     backend.register_mem_pool_host(pool)
@@ -82,7 +82,8 @@ def test_factory_builds_our_class_from_extra_config(section):
 
 
 def test_round_trip_byte_for_byte_zero_copy(section):
-    backend, pool = make_backend(section, staging="64KiB")  # 4 KiB pages: staging rounds of a few pages
+    # 4 KiB pages, 8 staging slots a direction, jobs of 2 pages: 6 pages are 3 jobs, 30 are 4 rounds
+    backend, pool = make_backend(section, staging="64KiB")
     try:
         pool.fill_random(1)
         ks = keys(6)
@@ -273,6 +274,8 @@ def test_unreachable_server_is_misses_not_a_hang(tmp_path):
     ({"type": "redis", "urll": "redis://x"}, "urll"),
     ({"type": "storage", "path": "/tmp/x", "capacity_bytes": "lots"}, "capacity_bytes"),
     ({"type": "redis", "staging_bytes": "-1"}, "staging_bytes"),
+    ({"type": "redis", "job_bytes": 0}, "job_bytes"),
+    ({"type": "redis", "model": ""}, "model"),
 ])
 def test_bad_config_is_one_clear_line(section, match, tmp_path):
     with pytest.raises((ConfigError, ValueError), match=match) as e:
@@ -329,7 +332,7 @@ def test_mla_layout_sglang_has_no_ranges_for_is_refused_clearly(request, tmp_pat
 
 
 def test_exists_counts_the_stored_prefix_of_a_long_batch(section):
-    backend, pool = make_backend(section)
+    backend, pool = make_backend(section, staging="64KiB")  # 8 slots a direction: rounds and jobs
     try:
         pool.fill_random(10)
         ks = keys(40, "long")
@@ -337,5 +340,9 @@ def test_exists_counts_the_stored_prefix_of_a_long_batch(section):
         assert backend.batch_set_v1(ks[16:30], pages(*range(14))) == [True] * 14
         assert backend.batch_exists(ks) == 30
         assert backend.batch_exists(ks[:29] + ks[30:] + ks[29:30]) == 29
+        want = [page_bytes(pool, p) for p in range(16)]
+        pool.kv_buffer.zero_()
+        assert backend.batch_get_v1(ks[16:32], pages(*range(16))) == [True] * 14 + [False] * 2
+        assert [page_bytes(pool, p) for p in range(14)] == want[:14]
     finally:
         backend.close()

@@ -64,6 +64,7 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             getattr(tier, "shutdown", lambda: None)()
             raise
         self.format, self.namespace, self._half = fmt, namespace, half
+        self._part_pages = max(1, self.config.job_bytes // fmt.page_bytes)
         self._copier = PageCopier(mem_pool_host, fmt, staging)
         self.io = io
         log.info("kvoffload SGLang backend: %s tier, namespace %s (%s), %d-byte pages, %d staging slots",
@@ -74,8 +75,17 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         return list(range(start, start + n))
 
     def _rounds(self, n: int):
+        """Page ranges that fit the staging slots of one direction."""
         for start in range(0, n, self._half):
             yield range(start, min(n, start + self._half))
+
+    def _parts(self, rnd: range, store: bool):
+        """A round split into jobs of about job_bytes, each with its own slots."""
+        base = self._half if store else 0
+        for start in range(rnd.start, rnd.stop, self._part_pages):
+            part = range(start, min(rnd.stop, start + self._part_pages))
+            first = base + part.start - rnd.start
+            yield part, list(range(first, first + len(part)))
 
     # -- lookups --------------------------------------------------------
     def exists(self, key: str) -> bool:
@@ -93,17 +103,23 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             return results
         kb = [key_bytes(k) for k in keys]
         with self._locks[0]:
-            for pages in self._rounds(len(keys)):
-                slots = self._slots(False, len(pages))
-                if self.io.load(kb[pages.start : pages.stop], slots):
-                    self._copier.from_slots(host_indices, pages, slots)
-                    results[pages.start : pages.stop] = [True] * len(pages)
-                    continue
-                # a failed batch says not which key failed: ask again one by one
-                for p, slot in zip(pages, slots):
-                    if self.io.load([kb[p]], [slot]):
-                        self._copier.from_slots(host_indices, range(p, p + 1), [slot])
-                        results[p] = True
+            for rnd in self._rounds(len(keys)):
+                # every part in flight at once; copy each out as it lands, while later ones still load
+                jobs = [(part, slots, self.io.start_load(kb[part.start : part.stop], slots))
+                        for part, slots in self._parts(rnd, store=False)]
+                failed = []
+                for part, slots, job in jobs:
+                    if self.io.finish(job):
+                        self._copier.from_slots(host_indices, part, slots)
+                        results[part.start : part.stop] = [True] * len(part)
+                    else:
+                        failed.append((part, slots))
+                # a failed job says not which key failed: ask again one by one
+                for part, slots in failed:
+                    for p, slot in zip(part, slots):
+                        if self.io.load([kb[p]], [slot]):
+                            self._copier.from_slots(host_indices, range(p, p + 1), [slot])
+                            results[p] = True
         return results
 
     def batch_set_v1(self, keys: List[str], host_indices: torch.Tensor, extra_info=None) -> List[bool]:
@@ -114,11 +130,13 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         kb = [key_bytes(k) for k in keys]
         results = [False] * len(keys)
         with self._locks[1]:
-            for pages in self._rounds(len(keys)):
-                slots = self._slots(True, len(pages))
-                self._copier.to_slots(host_indices, pages, slots)
-                ok = self.io.store(kb[pages.start : pages.stop], slots)
-                results[pages.start : pages.stop] = [ok] * len(pages)
+            for rnd in self._rounds(len(keys)):
+                jobs = []
+                for part, slots in self._parts(rnd, store=True):  # copy a part while earlier ones store
+                    self._copier.to_slots(host_indices, part, slots)
+                    jobs.append((part, self.io.start_store(kb[part.start : part.stop], slots)))
+                for part, job in jobs:
+                    results[part.start : part.stop] = [self.io.finish(job)] * len(part)
         return results
 
     # -- generic calls: flat page tensors (get_data_page / dummy pages) --

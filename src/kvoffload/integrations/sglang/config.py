@@ -7,7 +7,8 @@ and the tier it describes, built once the host pool says how big a page is.
      "kvoffload": {"type": "redis", "url": "redis://cache:6379/0"}}
 
 `type` is a secondary tier type (storage, redis, mooncake); every other key
-but `staging_bytes` and `model` is that tier's own config, checked by it.
+but `staging_bytes`, `job_bytes` and `model` is that tier's own config,
+checked by it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ TIER_CLASSES = {
 }
 SECTION = "kvoffload"
 DEFAULT_STAGING_BYTES = 64 << 20
+# pages of one call go to the tier in jobs of about this size, so copying one job's pages between
+# SGLang's pool and the staging slots overlaps the transfer of the others
+DEFAULT_JOB_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -44,6 +48,7 @@ class BackendConfig:
     tier_type: str
     tier_config: dict[str, Any] = field(default_factory=dict)
     staging_bytes: int = DEFAULT_STAGING_BYTES
+    job_bytes: int = DEFAULT_JOB_BYTES
     model: str | None = None  # overrides SGLang's model_name in the namespace
 
     @classmethod
@@ -59,12 +64,11 @@ class BackendConfig:
             raise ConfigError(f"extra_config.{SECTION}.type must be one of {sorted(TIER_CLASSES)}, "
                               f"got {tier_type!r}")
         staging = parse_bytes(conf.pop("staging_bytes", DEFAULT_STAGING_BYTES), f"{SECTION}.staging_bytes")
-        if staging <= 0:
-            raise ConfigError(f"{SECTION}.staging_bytes must be positive, got {staging}")
+        job = parse_bytes(conf.pop("job_bytes", DEFAULT_JOB_BYTES), f"{SECTION}.job_bytes")
         model = conf.pop("model", None)
         if model is not None and (not isinstance(model, str) or not model):
             raise ConfigError(f"{SECTION}.model must be a non-empty string, got {model!r}")
-        return cls(tier_type, conf, staging, model)
+        return cls(tier_type, conf, staging, job, model)
 
     def build_tier(self, namespace: Namespace, chunk_bytes: int) -> SecondaryTier:
         module, _, name = TIER_CLASSES[self.tier_type].partition(":")

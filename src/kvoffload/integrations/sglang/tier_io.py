@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from dataclasses import dataclass
 
 from kvoffload.abstractions import CPULoadStoreSpec, LookupResult, ReqContext, TransferResult
 from kvoffload.tiers.base import SecondaryTier
@@ -63,43 +64,54 @@ class TierIO:
             time.sleep(_RETRY_SLEEP_S)
 
     # -- transfers ------------------------------------------------------
-    def store(self, keys: list[bytes], slots: list[int]) -> bool:
-        """Write staging slots under keys (already-held keys are skipped).
-        False if the tier refused or the write failed (nothing half-visible)."""
+    # start_* submits a job to the tier's worker and returns at once, so the
+    # caller can copy the next pages while the tier moves these; finish()
+    # waits for it and settles the manager. Every started job must be finished.
+    def start_store(self, keys: list[bytes], slots: list[int]) -> Job:
+        """Begin writing staging slots under keys (already-held keys are skipped)."""
         with self._lock:
             out = self.manager.prepare_store(keys, self._ctx)
-        if out is None:
-            return False
+        if out is None:  # no room, or a remote tier backing off
+            return Job(keys, None, store=True, prepared=False)
         if not out.keys_to_store:
-            with self._lock:
-                self.manager.complete_store(keys, self._ctx, success=True)
-            return True
-        where = {k: s for k, s in zip(keys, slots)}
+            return Job(keys, None, store=True, prepared=True, ok=True)
+        where = dict(zip(keys, slots))
         src = CPULoadStoreSpec([where[k] for k in out.keys_to_store])
-        ok = self._run(lambda jid: self.worker.submit_store(jid, src, out.store_spec))
-        with self._lock:
-            self.manager.complete_store(keys, self._ctx, success=ok)
-        return ok
+        return Job(keys, self._submit(lambda jid: self.worker.submit_store(jid, src, out.store_spec)), store=True)
 
-    def load(self, keys: list[bytes], slots: list[int]) -> bool:
-        """Read keys into staging slots; False if any of them failed (a miss,
-        a corrupt value, an unreachable server)."""
+    def start_load(self, keys: list[bytes], slots: list[int]) -> Job:
+        """Begin reading keys into staging slots."""
         with self._lock:
             try:
                 spec = self.manager.prepare_load(keys, self._ctx)
             except KeyError:  # the storage tier does not hold one of them (nothing pinned)
-                return False
-        try:
-            dst = CPULoadStoreSpec(slots)
-            return self._run(lambda jid: self.worker.submit_load(jid, spec, dst))
-        finally:
-            with self._lock:
-                self.manager.complete_load(keys, self._ctx)
+                return Job(keys, None, store=False, prepared=False)
+        dst = CPULoadStoreSpec(slots)
+        return Job(keys, self._submit(lambda jid: self.worker.submit_load(jid, spec, dst)), store=False)
 
-    def _run(self, submit) -> bool:
+    def finish(self, job: Job) -> bool:
+        """Wait for a started job; True if every key of it moved (a load that
+        fails says not which key: a miss, a corrupt value, a server down)."""
+        ok = job.ok if job.job_id is None else self._wait(job.job_id)
+        if job.prepared:
+            with self._lock:
+                if job.store:
+                    self.manager.complete_store(job.keys, self._ctx, success=ok)
+                else:
+                    self.manager.complete_load(job.keys, self._ctx)
+        return ok
+
+    def store(self, keys: list[bytes], slots: list[int]) -> bool:
+        return self.finish(self.start_store(keys, slots))
+
+    def load(self, keys: list[bytes], slots: list[int]) -> bool:
+        return self.finish(self.start_load(keys, slots))
+
+    def _submit(self, submit) -> int | None:
         job_id = next(self._job_ids)
-        if not submit(job_id):
-            return False
+        return job_id if submit(job_id) else None
+
+    def _wait(self, job_id: int) -> bool:
         self.worker.wait({job_id})
         # another thread may have collected our result with its own
         with self._results_lock:
@@ -118,3 +130,12 @@ class TierIO:
         # as the tiering manager does: the worker drains first, then the manager closes the medium
         self.worker.shutdown()
         self.manager.shutdown()
+
+
+@dataclass
+class Job:
+    keys: list[bytes]
+    job_id: int | None  # None: nothing submitted (refused, or nothing to write)
+    store: bool
+    prepared: bool = True  # the manager holds state for it until finish()
+    ok: bool = False  # the result when nothing was submitted
