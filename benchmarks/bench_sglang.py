@@ -4,7 +4,7 @@ For each tier (storage on a temp dir, Redis on a local redis-server), in
 one run: GB/s of the backend's zero-copy calls (batch_set_v1 /
 batch_get_v1 between an SGLang host pool and the tier) against the tier
 alone moving the same pages from and to its staging slots (the same
-manager/worker calls, without SGLang's page copies and key handling).
+manager/worker calls and jobs, without SGLang's page copies and key handling).
 Ratio = backend / tier alone (1.0: the wrapping is free). Then the
 storage-tier backend against SGLang's own file backend (HiCacheFile) on the
 same pages, reads cold for both (O_DIRECT here; fadvise DONTNEED there).
@@ -61,6 +61,13 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
+def tier_alone(io, parts, kb, store: bool) -> bool:
+    """The tier moving the staging slots, in the backend's jobs, all in flight at once."""
+    start = io.start_store if store else io.start_load
+    jobs = [start(kb[p.start : p.stop], slots) for p, slots in parts]
+    return all([io.finish(j) for j in jobs])
+
+
 def run(name: str, section: dict, n: int, reps: int, layers: int) -> None:
     backend, pool = make(section, n, layers)
     io, half, nbytes = backend.io, backend._half, n * backend.format.page_bytes
@@ -68,7 +75,7 @@ def run(name: str, section: dict, n: int, reps: int, layers: int) -> None:
         raise SystemExit(f"--pages {n} is more than the {half} staging slots")
     idx = torch.arange(n * PAGE)
     back = torch.arange(n * PAGE, 2 * n * PAGE)
-    slots = list(range(half, half + n))
+    parts = list(backend._parts(range(n), store=True))  # the same jobs the backend makes
     res = {k: [] for k in ("set", "set_ref", "get", "get_ref")}
     try:
         for r in range(reps):  # interleaved, so drift hits both alike
@@ -76,8 +83,8 @@ def run(name: str, section: dict, n: int, reps: int, layers: int) -> None:
             res["set"].append(timed(lambda: all(backend.batch_set_v1(ks, idx))))
             res["get"].append(timed(lambda: all(backend.batch_get_v1(ks, back))))
             kb = [key_bytes(k) for k in keys(n, f"{name}-t{r}")]
-            res["set_ref"].append(timed(lambda: io.store(kb, slots)))
-            res["get_ref"].append(timed(lambda: io.load(kb, slots)))
+            res["set_ref"].append(timed(lambda: tier_alone(io, parts, kb, store=True)))
+            res["get_ref"].append(timed(lambda: tier_alone(io, parts, kb, store=False)))
         raw = pool.kv_buffer.view(torch.int16)  # bytes, not values: random bf16 holds NaNs
         assert torch.equal(raw[:, : n * PAGE], raw[:, n * PAGE : 2 * n * PAGE]), "pages came back different"
     finally:

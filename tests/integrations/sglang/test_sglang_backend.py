@@ -346,3 +346,18 @@ def test_exists_counts_the_stored_prefix_of_a_long_batch(section):
         assert [page_bytes(pool, p) for p in range(14)] == want[:14]
     finally:
         backend.close()
+
+
+def test_unsupported_parallelism_is_refused_clearly(tmp_path):
+    import dataclasses
+
+    extra = {"backend_name": "kvoffload", "module_path": "kvoffload.integrations.sglang.backend",
+             "class_name": "KvoffloadHiCacheStorage", "kvoffload": {"type": "redis"}}
+    cfg = storage_config(extra)
+    for change, match in (({"should_split_heads": True}, "should_split_heads"),):
+        with pytest.raises(ConfigError, match=match):
+            StorageBackendFactory.create_backend("dynamic", dataclasses.replace(cfg, **change), None)
+    mla_dcp = dataclasses.replace(cfg, is_mla_model=True, tp_size=2, tp_rank=1, dcp_size=2, dcp_rank=1,
+                                  logical_page_size=2 * PAGE)
+    with pytest.raises(ConfigError, match="dcp_size"):
+        StorageBackendFactory.create_backend("dynamic", mla_dcp, None)

@@ -39,6 +39,11 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Optional[dict] = None):
         self.storage_config = storage_config
         self.config = BackendConfig.from_extra_config(storage_config.extra_config, self.default_tier)
+        # host indices then count logical pages, or a page is stored as per-head slices: neither is mapped
+        if getattr(storage_config, "dcp_size", 1) > 1:
+            raise ConfigError("kvoffload SGLang backend: decode context parallelism (dcp_size > 1) is not supported")
+        if getattr(storage_config, "should_split_heads", False):
+            raise ConfigError("kvoffload SGLang backend: split-head pages (should_split_heads) are not supported")
         self.model = self.config.model or storage_config.model_name
         if not self.model:
             raise ConfigError("kvoffload SGLang backend: no model name for the namespace; "
