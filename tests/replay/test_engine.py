@@ -316,3 +316,14 @@ def test_manager_time_per_block_is_weighted_by_blocks():
     assert s["p50"] == pytest.approx(1.0) and s["p99"] == pytest.approx(1.0)
     assert s["mean"] == pytest.approx((999 + 1000) / 1000)
     assert timed.seconds > 0 and len(timed.blocks) == 2
+
+
+def test_offload_keys_are_the_contracts_keys():
+    from kvoffload.keys import make_offload_key
+    from kvoffload.replay.contents import seeds_of
+    from kvoffload.replay.scheduling import offload_keys
+
+    hashes = [0, 1, 2**63, 2**64 - 1, 0x0123456789ABCDEF]
+    keys = offload_keys(seeds_of(hashes))
+    assert keys == [make_offload_key(h.to_bytes(8, "big"), 0) for h in hashes]
+    assert all(type(k) is bytes for k in keys) and offload_keys(seeds_of([])) == []

@@ -53,9 +53,6 @@ from kvoffload.spec import build_spec
 
 __all__ = ["EngineOptions", "ReplayEngine", "ReplayResult", "VerificationError", "replay"]
 
-_GROUP0 = b"\0\0\0\0"
-
-
 @dataclass
 class EngineOptions:
     spec: str = "cpu"
@@ -184,9 +181,6 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
         # they came from (see Seen.absent).
         self._primary = getattr(self.manager, "primary", None) if getattr(self.manager, "tiers", None) else None
         self._cpu_stored: dict[bytes, int] = {}  # key -> step the engine's store of it landed
-        # One key object per block hash for the whole run: keys are built
-        # once, and the manager's dicts hash each only once (bytes cache it).
-        self._key_of: dict[int, bytes] = {}
         self._job_id = 0
         self._job_step: dict[int, int] = {}  # vllm order: job -> step it was submitted
         self._held: list = []  # vllm order: results of jobs submitted this step, applied next step
@@ -209,17 +203,6 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
             return len(r.decode_hashes)
         bs = self.trace.block_size
         return max(0, (r.prompt_tokens + r.output_tokens) // bs - len(r.block_hashes))
-
-    def keys_of(self, hashes: list[int]) -> list[bytes]:
-        """The offload keys of block hashes (group 0), one object per hash."""
-        key_of = self._key_of
-        try:
-            return list(map(key_of.__getitem__, hashes))
-        except KeyError:  # first sight of some blocks
-            for h in hashes:
-                if h not in key_of:
-                    key_of[h] = h.to_bytes(8, "big") + _GROUP0
-            return list(map(key_of.__getitem__, hashes))
 
     def tokens_in(self, req: Request, lo: int, hi: int) -> int:
         """Prompt tokens of blocks lo..hi-1 (the last block may be partial)."""

@@ -17,6 +17,20 @@ from kvoffload.replay.state import Job, Running, Seen
 from kvoffload.replay.traces import Request, mix64
 
 
+# An offload key of group 0, as make_offload_key builds it: the block hash
+# (8 bytes, big-endian), then the group index (4 bytes, big-endian).
+_KEY = np.dtype([("hash", ">u8"), ("group", ">u4")])
+
+
+def offload_keys(seeds: np.ndarray) -> list[bytes]:
+    """The keys of blocks given by their seeds (their hashes as int64), made
+    by numpy from the array the contents need anyway: per block, only the
+    bytes object itself is made in Python."""
+    rec = np.zeros(len(seeds), dtype=_KEY)
+    rec["hash"] = seeds.view(np.uint64)
+    return rec.view(np.dtype((np.void, _KEY.itemsize))).tolist()
+
+
 def unique_hashes(req: Request, n: int) -> list[int]:
     """Hashes for decode blocks the trace does not describe: no prompt matches them."""
     base = zlib.crc32(req.req_id.encode()) << 32
@@ -28,10 +42,11 @@ class Scheduling:
         """on_new_request, with the request's keys and their positions."""
         ctx = ReqContext(req.req_id, req.kv_transfer_params)
         bs = self.trace.block_size
-        keys = self.keys_of(req.block_hashes)
+        seeds = seeds_of(req.block_hashes)
+        keys = offload_keys(seeds)
         ctx.set_offload_key_positions(keys, range(bs, (len(keys) + 1) * bs, bs))
         roc = self.mgr.on_new_request(ctx)
-        seen = self._seen[req.req_id] = Seen(ctx, keys, roc.policy == OffloadPolicy.REQUEST_LEVEL,
+        seen = self._seen[req.req_id] = Seen(ctx, keys, seeds, roc.policy == OffloadPolicy.REQUEST_LEVEL,
                                              index=self._arrived, first_step=step)
         self._arrived += 1
         if self._primary is not None:
@@ -61,7 +76,7 @@ class Scheduling:
                 c["delayed_for_transfers"] += 1
                 skipped.append((req, delays))
                 continue
-            ctx, keys = seen.ctx, seen.keys
+            ctx, keys, seeds = seen.ctx, seen.keys, seen.seeds
             n_gpu = self.gpu.match(hashes)
             n_off, pending = mgr.lookup_prefix(keys[n_gpu:] if n_gpu else keys, ctx)
             if pending is not None:
@@ -79,9 +94,11 @@ class Scheduling:
             slots = self.gpu.acquire(hashes[:n_gpu]) + fresh if n_gpu else fresh
             if n_dec:
                 dec = req.decode_hashes if req.decode_hashes is not None else unique_hashes(req, n_dec)
-                keys = keys + self.keys_of(dec)
+                dec_seeds = seeds_of(dec)
+                keys = keys + offload_keys(dec_seeds)
                 hashes = hashes + list(dec)
-            run = Running(req, ctx, keys, hashes, slots, n_gpu, n_off, np.array(slots, dtype=np.int64), seeds_of(hashes),
+                seeds = np.concatenate((seeds, dec_seeds))
+            run = Running(req, ctx, keys, hashes, slots, n_gpu, n_off, np.array(slots, dtype=np.int64), seeds,
                           request_level=seen.request_level, jobs=seen.jobs, seen=seen, first_step=step,
                           resumed=seen.preempted)
             self.running.append(run)

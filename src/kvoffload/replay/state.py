@@ -17,6 +17,7 @@ class Seen:
 
     ctx: ReqContext
     keys: list[bytes]  # prompt keys, prefix order
+    seeds: np.ndarray  # per prompt block: the seed of its contents (its hash as int64)
     request_level: bool  # the manager wants every block stored, hits too
     index: int = 0  # arrival order
     pending: set[bytes] = field(default_factory=set)  # keys that answered HIT_PENDING/RETRY
