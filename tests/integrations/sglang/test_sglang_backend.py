@@ -361,3 +361,18 @@ def test_unsupported_parallelism_is_refused_clearly(tmp_path):
                                   logical_page_size=2 * PAGE)
     with pytest.raises(ConfigError, match="dcp_size"):
         StorageBackendFactory.create_backend("dynamic", mla_dcp, None)
+
+
+def test_wrong_number_of_host_indices_is_refused_before_any_transfer(request, tmp_path, prefix):
+    backend, pool = make_backend(tier_section("redis", request, tmp_path, prefix))
+    try:
+        ks = keys(2, "bad-indices")
+        with pytest.raises(ValueError, match="host indices"):
+            backend.batch_set_v1(ks, pages(0)[:-1])
+        with pytest.raises(ValueError, match="host indices"):
+            backend.batch_get_v1(ks, pages(0, 1)[1:])
+        assert backend.batch_exists(ks) == 0
+        assert backend.batch_set_v1(ks, pages(0, 1)) == [True, True]  # nothing left half done
+        assert backend.batch_get_v1(ks, pages(2, 3)) == [True, True]
+    finally:
+        backend.close()

@@ -55,9 +55,9 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
 
     # -- set-up ---------------------------------------------------------
     def register_mem_pool_host(self, mem_pool_host) -> None:
-        super().register_mem_pool_host(mem_pool_host)
         if self.io is not None:
             raise RuntimeError("kvoffload SGLang backend: a host pool is already registered")
+        super().register_mem_pool_host(mem_pool_host)
         fmt = PageFormat.of(mem_pool_host)
         half = max(1, min(MAX_STAGING_PAGES, self.config.staging_bytes // (2 * align_up(fmt.page_bytes))))
         staging = HostPool(2 * half, fmt.page_bytes)
@@ -65,8 +65,9 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         tier = self.config.build_tier(namespace, staging.chunk_bytes)
         try:
             io = TierIO(tier, staging)
-        except BaseException:
-            getattr(tier, "shutdown", lambda: None)()
+        except BaseException:  # e.g. a worker refused: close what the tier opened (a storage dir's lock)
+            (getattr(tier, "shutdown", None) or tier.get_manager().shutdown)()
+            staging.close()
             raise
         self.format, self.namespace, self._half = fmt, namespace, half
         self._part_pages = max(1, self.config.job_bytes // fmt.page_bytes)
@@ -92,6 +93,12 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             first = base + part.start - rnd.start
             yield part, list(range(first, first + len(part)))
 
+    def _check_indices(self, keys: List[str], host_indices: torch.Tensor) -> None:
+        # before any job starts: a bad call must not leave jobs half done
+        if host_indices.numel() != len(keys) * self.format.page_size:
+            raise ValueError(f"{len(keys)} keys need {len(keys) * self.format.page_size} host indices "
+                             f"({self.format.page_size} per page), got {host_indices.numel()}")
+
     # -- lookups --------------------------------------------------------
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
@@ -106,6 +113,7 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         results = [False] * len(keys)
         if self.io is None:
             return results
+        self._check_indices(keys, host_indices)
         kb = [key_bytes(k) for k in keys]
         with self._locks[0]:
             for rnd in self._rounds(len(keys)):
@@ -132,6 +140,7 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             return [False] * len(keys)
         if not self.storage_config.is_storage_writer:
             return [True] * len(keys)  # an MLA replica: the writer rank stores the same bytes
+        self._check_indices(keys, host_indices)
         kb = [key_bytes(k) for k in keys]
         results = [False] * len(keys)
         with self._locks[1]:
@@ -197,6 +206,7 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         if self.io is not None:
             io, self.io = self.io, None
             io.close()
+            self._copier.staging.close()
 
 
 class KvoffloadStorageHiCache(KvoffloadHiCacheStorage):
