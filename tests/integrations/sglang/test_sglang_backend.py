@@ -134,9 +134,10 @@ def test_a_missing_page_fails_only_itself(section):
         backend.close()
 
 
-def test_layout_and_shard_keep_engines_apart_same_ones_share(request, tmp_path, prefix):
-    """Two SGLang engines on one Redis: pages are shared only when model, host layout and TP shard agree."""
-    section = tier_section("redis", request, tmp_path, prefix)
+@pytest.mark.parametrize("kind", ["redis", "mooncake"])
+def test_layout_and_shard_keep_engines_apart_same_ones_share(request, tmp_path, prefix, kind):
+    """Two SGLang engines on one server: pages are shared only when model, host layout and TP shard agree."""
+    section = tier_section(kind, request, tmp_path, prefix)
     a, pool = make_backend(section)
     same, _ = make_backend(section)
     other_layout, _ = make_backend(section, layout="page_first_direct")
@@ -376,3 +377,23 @@ def test_wrong_number_of_host_indices_is_refused_before_any_transfer(request, tm
         assert backend.batch_get_v1(ks, pages(2, 3)) == [True, True]
     finally:
         backend.close()
+
+
+def test_storage_tier_pages_outlive_the_engine(tmp_path):
+    """An SGLang engine restarted on the same directory finds the pages the last one stored."""
+    section = {"type": "storage", "path": str(tmp_path / "l3"), "capacity_bytes": "1MiB"}
+    first, pool = make_backend(section)
+    pool.fill_random(11)
+    ks = keys(4, "restart")
+    want = [page_bytes(pool, p) for p in range(4)]
+    try:
+        assert first.batch_set_v1(ks, pages(0, 1, 2, 3)) == [True] * 4
+    finally:
+        first.close()
+    second, pool2 = make_backend(section)
+    try:
+        assert second.batch_exists(ks) == 4
+        assert second.batch_get_v1(ks, pages(4, 5, 6, 7)) == [True] * 4
+        assert [page_bytes(pool2, p) for p in (4, 5, 6, 7)] == want
+    finally:
+        second.close()
