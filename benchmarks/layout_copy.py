@@ -4,7 +4,7 @@ One TP rank's pages of a Llama-like layer (16 tokens, 8 KV heads of 128,
 bf16) are copied into canonical (TP=1) pages. Reference, in the same run: a
 plain contiguous copy of the same number of bytes (what an unmapped page
 costs). Compared: store_pages batched (one strided copy per run; the
-reference copier of tests/layout_ref.py),
+reference copier of tests/layout/layout_ref.py),
 store_pages per block, and ctypes.memmove per fragment (the worker's path).
 Second table: CPUOffloadingWorker store and load jobs through those
 mappings, against the same worker moving unmapped pages of the same size,
@@ -31,7 +31,7 @@ from kvoffload.kv_caches import make_kv_caches
 from kvoffload.layout import LayerLayout, ParallelLayout, try_layer_mapping
 from kvoffload.tiers.cpu.worker import CPUOffloadingWorker
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "layout"))
 from layout_ref import store_pages  # noqa: E402  (a test helper: no caller in the package)
 
 NUM_BLOCKS = 1024  # 32 MiB of local pages at TP=2: beyond the caches

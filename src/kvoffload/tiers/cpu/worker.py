@@ -24,11 +24,11 @@ from kvoffload.abstractions import (
 )
 from kvoffload.config import OffloadingConfig
 from kvoffload.layout import check_config_offloadable, check_shareable
-from kvoffload.tiers.cpu.plan import LOAD, STORE, CopyPlanner, chunk_layout, page_bytes_in_chunk
+from kvoffload.tiers.cpu.plan import LOAD, STORE, CopyPlanner, chunk_layout
 from kvoffload.tiers.base import align_up
 from kvoffload.tiers.host_pool import HostPool
 
-__all__ = ["CPUOffloadingWorker", "chunk_layout", "page_bytes_in_chunk", "STORE", "LOAD"]
+__all__ = ["CPUOffloadingWorker", "chunk_layout", "STORE", "LOAD"]
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Canonical page mappings: derivation, tiling check, fallback, copies, refusals, windows."""
+"""Canonical page mappings (layout/canonical.py): derivation, tiling check, fallback, namespace ids."""
 
 import dataclasses
 from collections import Counter
@@ -16,22 +16,18 @@ from kvoffload.abstractions import (
     CanonicalPageMapping,
     CopyRun,
 )
-from kvoffload.config import ConfigError
 from kvoffload.layout import (
     MLA,
     LayerLayout,
     LayoutError,
     ParallelLayout,
-    UnsupportedModelError,
     canonical_layout_id,
-    check_offloadable,
     check_shareable,
     layer_mapping,
     opaque_mapping,
     parallel_layout_id,
     try_layer_mapping,
     verify_tiling,
-    window_block_indices,
 )
 
 FORMATS = [("split", "NHD"), ("split", "HND"), ("packed", "NHD"), ("packed", "HND")]
@@ -181,46 +177,11 @@ def test_namespace_ids_say_which_layouts_may_read_a_pool():
     assert canonical_layout_id([gqa, mla]) == canonical_layout_id([gqa, mla])
 
 
-@pytest.mark.parametrize("kind", ["mamba", "ssm", "indexer", "linear_attention"])
-def test_state_we_cannot_offload_is_refused(kind):
-    bad = LayerLayout(16, 1, 64, torch.bfloat16, kind=kind, name="model.layers.3.mixer")
-    ok = LayerLayout(16, 8, 64, torch.bfloat16)
-    with pytest.raises(UnsupportedModelError, match=r"model\.layers\.3\.mixer.*refused") as e:
-        check_offloadable([ok, bad])
-    assert isinstance(e.value, ConfigError)
-    with pytest.raises(UnsupportedModelError):
-        layer_mapping(bad, ParallelLayout(), 4096)  # never an opaque fallback either
-
-
 def test_unknown_kind_or_format_is_a_layout_error():
     for bad in (dict(kind="conv"), dict(kv="interleaved"), dict(order="THD"), dict(head_dim=0)):
         with pytest.raises(LayoutError):
             layer = dataclasses.replace(LayerLayout(16, 8, 64, torch.float16), **bad)
             try_layer_mapping(layer, ParallelLayout())
-
-
-def test_window_block_indices():
-    assert window_block_indices(100, 16, None) == range(0, 6)
-    # window 48: the next token (position 100) sees positions 53..100
-    assert window_block_indices(100, 16, 48) == range(3, 6)
-    assert window_block_indices(96, 16, 48) == range(3, 6)  # positions 49..95 -> blocks 3..5
-    assert window_block_indices(96, 16, 49) == range(3, 6)  # 48..95
-    assert window_block_indices(96, 16, 50) == range(2, 6)  # 47..95
-    assert window_block_indices(10, 16, 4) == range(0, 0)  # no full block yet
-    assert window_block_indices(0, 16, None) == range(0, 0)
-    with pytest.raises(ValueError):
-        window_block_indices(10, 16, 0)
-    with pytest.raises(ValueError):
-        window_block_indices(-1, 16, None)
-
-
-@settings(max_examples=200, deadline=None)
-@given(n=st.integers(0, 2000), bs=st.integers(1, 64), w=st.integers(1, 500))
-def test_window_holds_exactly_the_tokens_attended(n, bs, w):
-    got = window_block_indices(n, bs, w)
-    full_blocks = n // bs
-    needed = {p // bs for p in range(max(0, n - w + 1), n) if p // bs < full_blocks}
-    assert set(got) == needed
 
 
 def brute_force_tiles(mappings):

@@ -1,62 +1,19 @@
-"""Which models the layout lets us offload, and which blocks each KV group
-needs: Mamba/SSM and indexer state are refused by the spec and the worker;
-a sliding-window group stores and loads only the chunks inside its window."""
+"""Sliding windows (layout/windows.py): which blocks and chunks a KV group
+needs to resume; a sliding-window group stores and loads only the chunks
+inside its window."""
 
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from layout_ref import canonical_kv_caches, full_cache, rows
 
 from kvoffload.abstractions import CPULoadStoreSpec, ReqContext, make_offload_key
-from kvoffload.config import ConfigError, OffloadingConfig
-from kvoffload.layout import (
-    LayerLayout,
-    ParallelLayout,
-    UnsupportedModelError,
-    window_chunks,
-    window_gpu_spec,
-)
+from kvoffload.config import OffloadingConfig
+from kvoffload.layout import LayerLayout, ParallelLayout, window_block_indices, window_chunks, window_gpu_spec
 from kvoffload.tiers.cpu.spec import CPUOffloadingSpec
 from kvoffload.tiers.cpu.worker import CPUOffloadingWorker
-
-
-def hybrid(kind="mamba", **extra):
-    return OffloadingConfig.from_dict({
-        "groups": [{"tokens_per_block": 16, "layer_names": ["model.layers.0.attn"]},
-                   {"tokens_per_block": 16, "kind": kind, "layer_names": ["model.layers.1.mixer"]}],
-        "tokens_per_hash": 16, "extra_config": {"num_cpu_chunks": 4, **extra}})
-
-
-@pytest.mark.parametrize("kind, why", [("mamba", "recurrent state"), ("ssm", "recurrent state"),
-                                       ("indexer", "indexer caches")])
-def test_spec_refuses_models_with_state_we_cannot_offload(kind, why):
-    with pytest.raises(UnsupportedModelError, match=rf"model.layers.1.mixer.*{kind!r}.*{why}.*refused"):
-        CPUOffloadingSpec(hybrid(kind))
-    assert issubclass(UnsupportedModelError, ConfigError)
-
-
-def test_worker_refuses_them_too():
-    layer = LayerLayout(16, 2, 32, torch.float16)
-    kv = canonical_kv_caches([(full_cache(layer, 4), layer)] * 2, [[0], [1]], ParallelLayout())
-    with pytest.raises(UnsupportedModelError, match="model.layers.1.mixer"):
-        CPUOffloadingWorker(kv, hybrid("mamba"), 4)
-
-
-def test_unknown_kind_is_a_config_error_listing_the_known_ones():
-    with pytest.raises(ConfigError, match=r"unknown kind 'retnet'.*'mla'"):
-        CPUOffloadingSpec(hybrid("retnet"))
-    with pytest.raises(ConfigError, match=r"groups\[0\].kind must be a non-empty string"):
-        OffloadingConfig.from_dict({"groups": [{"tokens_per_block": 16, "kind": 3}]})
-
-
-def test_kinds_round_trip_through_the_config_dict():
-    c = hybrid("mla")
-    assert OffloadingConfig.from_dict(c.to_dict()) == c
-    assert c.groups[1].kind == "mla" and c.groups[1].layer_names == ("model.layers.1.mixer",)
-    CPUOffloadingSpec(c)  # MLA is offloadable
-
 
 # ---- sliding windows --------------------------------------------------------
 
@@ -66,6 +23,30 @@ CONFIG = OffloadingConfig.from_dict({
     "groups": [{"tokens_per_block": 16}, {"tokens_per_block": 32, "sliding_window": 48}],
     "tokens_per_hash": 16, "blocks_per_chunk": 2, "extra_config": {"num_cpu_chunks": 16}})
 LAYERS = [LayerLayout(16, 2, 32, torch.float16), LayerLayout(32, 2, 32, torch.float16, kv="packed")]
+
+
+def test_window_block_indices():
+    assert window_block_indices(100, 16, None) == range(0, 6)
+    # window 48: the next token (position 100) sees positions 53..100
+    assert window_block_indices(100, 16, 48) == range(3, 6)
+    assert window_block_indices(96, 16, 48) == range(3, 6)  # positions 49..95 -> blocks 3..5
+    assert window_block_indices(96, 16, 49) == range(3, 6)  # 48..95
+    assert window_block_indices(96, 16, 50) == range(2, 6)  # 47..95
+    assert window_block_indices(10, 16, 4) == range(0, 0)  # no full block yet
+    assert window_block_indices(0, 16, None) == range(0, 0)
+    with pytest.raises(ValueError):
+        window_block_indices(10, 16, 0)
+    with pytest.raises(ValueError):
+        window_block_indices(-1, 16, None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 2000), bs=st.integers(1, 64), w=st.integers(1, 500))
+def test_window_holds_exactly_the_tokens_attended(n, bs, w):
+    got = window_block_indices(n, bs, w)
+    full_blocks = n // bs
+    needed = {p // bs for p in range(max(0, n - w + 1), n) if p // bs < full_blocks}
+    assert set(got) == needed
 
 
 def test_window_chunks():
