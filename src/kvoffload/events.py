@@ -40,7 +40,7 @@ from typing import Any
 
 from kvoffload.abstractions import OffloadingEvent
 from kvoffload.config import ConfigError
-from kvoffload.keys import OffloadKey, get_offload_block_hash, get_offload_group_idx
+from kvoffload.keys import OffloadKey, get_offload_group_idx
 
 FORMATS = ("auto", "map", "array")
 _STORED = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
@@ -129,12 +129,20 @@ class EventEncoder:
         self.format = resolve_format(event_format)
         self._array = self.format == "array"
         self.int_hashes = default_int_hashes() if int_hashes is None else int_hashes
-        self._announced: set[tuple[str, OffloadKey]] = set()
+        # tier -> keys announced stored there (bytes: no GC-tracked object per block)
+        self._announced: dict[str, set[OffloadKey]] = {}
 
     def block_hash(self, h: bytes | None) -> bytes | int | None:
         if h is None or not self.int_hashes:
             return h
         return int.from_bytes(h, "big") & 0xFFFF_FFFF_FFFF_FFFF
+
+    def hashes(self, keys: list[OffloadKey]) -> list:
+        """The keys' block hashes as sent: the last 8 bytes of each hash are its low 64 bits."""
+        if self.int_hashes:
+            fb = int.from_bytes
+            return [fb(k[-12:-4], "big") for k in keys]
+        return [k[:-4] for k in keys]
 
     def _stored(self, hashes: list, parent, tokens: list[int], block_size: int, group: int,
                 medium: str, locality: str | None, ownership: str | None) -> Any:
@@ -153,23 +161,26 @@ class EventEncoder:
             # two tiers, is two separate facts for a router.
             tier = ev.ownership or medium + (locality or "")
             if ev.removed:
-                keys = [k for k in ev.keys if (tier, k) in self._announced]
-                self._announced.difference_update((tier, k) for k in keys)
+                held = self._announced.get(tier, ())
+                keys = [k for k in ev.keys if k in held]
+                if keys:
+                    held.difference_update(keys)
                 for group, ks in _by_group(keys).items():
                     out.append(_wire("BlockRemoved", _REMOVED, [
-                        [self.block_hash(get_offload_block_hash(k)) for k in ks], medium, group,
+                        self.hashes(ks), medium, group,
                         locality, ev.ownership], _REMOVED_REQUIRED, self._array))
                 continue
-            keys = [k for k in ev.keys if (tier, k) not in self._announced]
-            self._announced.update((tier, k) for k in keys)
+            held = self._announced.setdefault(tier, set())
+            keys = [k for k in ev.keys if k not in held]
+            held.update(keys)
             if self.describe is None:
                 for group, ks in _by_group(keys).items():
-                    out.append(self._stored([self.block_hash(get_offload_block_hash(k)) for k in ks], None,
-                                            [], self.block_size, group, medium, locality, ev.ownership))
+                    out.append(self._stored(self.hashes(ks), None, [], self.block_size, group, medium,
+                                            locality, ev.ownership))
                 continue
             for k in keys:  # self-describing: one event per block, with its parent and tokens
                 d = self.describe(k)
-                h = [self.block_hash(get_offload_block_hash(k))]
+                h = self.hashes([k])
                 group = get_offload_group_idx(k)
                 if d is None:
                     out.append(self._stored(h, None, [], self.block_size, group, medium, locality, ev.ownership))
@@ -185,6 +196,11 @@ class EventEncoder:
 
 def _by_group(keys: list[OffloadKey]) -> dict[int, list[OffloadKey]]:
     """Keys by KV group (vLLM sends one group per event), in first-seen order."""
+    if not keys:
+        return {}
+    tails = {k[-4:] for k in keys}
+    if len(tails) == 1:  # one group: the usual case
+        return {int.from_bytes(tails.pop(), "big"): keys}
     groups: dict[int, list[OffloadKey]] = {}
     for k in keys:
         groups.setdefault(get_offload_group_idx(k), []).append(k)

@@ -33,6 +33,8 @@ def _metrics(llm) -> dict[str, float]:
         name = m.name
         if name.startswith("vllm:kvoffload_"):
             name = f"{name}[{m.labels.get('tier', '')}]"
+        elif name.startswith("vllm:kv_offload_"):  # vLLM's own names (ours under them, or vLLM's)
+            name = f"{name}[{m.labels.get('tier', m.labels.get('transfer_type', ''))}]"
         elif name not in ("vllm:external_prefix_cache_hits", "vllm:external_prefix_cache_queries",
                           "vllm:prefix_cache_hits", "vllm:prefix_cache_queries"):
             continue

@@ -168,6 +168,10 @@ def test_pushed_out_prefix_is_served_from_the_cpu_tier(reference, with_cpu_tier)
     assert metric(last, "vllm:external_prefix_cache_hits") == 8 * BLOCK
     assert metric(last, "vllm:kvoffload_loaded_blocks[cpu]") == 8
     assert metric(last, "vllm:kvoffload_hits[cpu]") >= 1
+    # the same under vLLM's own offloading names (a dashboard made for vLLM's CPU offloading)
+    assert metric(last, "vllm:kv_offload_tiering_chunk_hits[0:primary]") == metric(last, "vllm:kvoffload_hits[cpu]")
+    assert metric(last, "vllm:kv_offload_total_bytes[CPU_to_GPU]") > 0
+    assert metric(first, "vllm:kv_offload_total_bytes[GPU_to_CPU]") > 0
     # before that nothing was loaded, but every full prompt block was stored
     assert sum(metric(p, "vllm:kvoffload_loaded_blocks[cpu]") for p in (first, again, fillers)) == 0
     assert metric(first, "vllm:kvoffload_stored_blocks[cpu]") == 8
