@@ -163,7 +163,9 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
         # Room for every running request at its largest, plus the cache.
         biggest = max(len(r.block_hashes) + self._num_decode_blocks(r) for r in trace.requests)
         num_gpu = opts.gpu_blocks + opts.max_running * max(1, biggest)
-        self.gpu = GPUBlocks(num_gpu, page, opts.gpu_blocks)
+        # With no GPU cache and one request at a time no request can match
+        # another's blocks: the GPU need not know which hash a slot holds.
+        self.gpu = GPUBlocks(num_gpu, page, opts.gpu_blocks, shared=opts.max_running > 1)
         self.contents = BlockContents(self.gpu.words, opts.verify)
         kv = CanonicalKVCaches(
             tensors=[CanonicalKVCacheTensor(self.gpu.tensor, page)],

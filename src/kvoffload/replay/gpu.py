@@ -24,12 +24,15 @@ class GPUBlocks:
     of them, least recently used evicted first.
     """
 
-    def __init__(self, num_blocks: int, page_bytes: int, cache_blocks: int):
+    def __init__(self, num_blocks: int, page_bytes: int, cache_blocks: int, shared: bool = True):
+        """shared=False: no request can ever reuse another's blocks (no cache
+        and one request at a time), so hashes are not tracked at all."""
         if page_bytes % 8:
             raise ValueError(f"GPU page size must be a multiple of 8 bytes, got {page_bytes}")
         self.tensor = torch.zeros((num_blocks, page_bytes), dtype=torch.uint8)
         self.words = self.tensor.numpy().view(np.int64)  # (num_blocks, page_bytes // 8)
         self.cache_blocks = cache_blocks
+        self.track = shared or cache_blocks > 0
         self.free: list[int] = list(range(num_blocks - 1, -1, -1))
         self.slot_of: dict[int, int] = {}  # block hash -> slot (in use or idle)
         self.hash_of: dict[int, int] = {}  # slot -> block hash (slots with one)
@@ -82,6 +85,8 @@ class GPUBlocks:
     def register(self, slots: list[int], hashes: list[int]) -> None:
         """Computed or loaded blocks become prefix-cache hits (the first slot
         of a hash listed twice; a hash or slot that has one already keeps it)."""
+        if not self.track:
+            return
         new = dict(zip(reversed(hashes), reversed(slots)))  # reversed: the first slot wins
         slot_of, hash_of = self.slot_of, self.hash_of
         for h in new.keys() & slot_of.keys():
@@ -104,9 +109,10 @@ class GPUBlocks:
             return
         hash_of, slot_of, cap = self.hash_of, self.slot_of, self.cache_blocks
         if not cap:  # no prefix cache: every slot is simply free again
-            hashes = list(filter(partial(is_not, None), map(hash_of.pop, done, repeat(None))))
-            for h in hashes:
-                del slot_of[h]
+            if hash_of:
+                hashes = list(filter(partial(is_not, None), map(hash_of.pop, done, repeat(None))))
+                for h in hashes:
+                    del slot_of[h]
             self.free.extend(done)
             return
         idle = self.idle
