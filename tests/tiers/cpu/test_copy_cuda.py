@@ -15,8 +15,8 @@ import torch
 from kvoffload.abstractions import CanonicalPageMapping, CopyRun, CPULoadStoreSpec, GPULoadStoreSpec
 from kvoffload.config import OffloadingConfig
 from kvoffload.kv_caches import make_kv_caches, random_kv_caches
-from kvoffload.tiers.cpu.copy_cuda import base_addresses, issue
-from kvoffload.tiers.cpu.plan import LOAD, STORE, CopyPlanner
+from kvoffload.tiers.cpu.copy_cuda import issue
+from kvoffload.tiers.cpu.plan import LOAD, STORE, CopyPlanner, base_addresses
 from kvoffload.tiers.cpu.worker import CPUOffloadingWorker
 
 

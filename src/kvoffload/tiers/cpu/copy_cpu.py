@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvoffload.abstractions import CanonicalKVCaches
-from kvoffload.tiers.cpu.plan import STORE, CopyPlanner, GroupJob, Plan, StridedRef
+from kvoffload.tiers.cpu.plan import STORE, CopyPlanner, GroupJob, Plan, StridedRef, base_addresses
 from kvoffload.tiers.host_pool import HostPool
 
 logger = logging.getLogger(__name__)
@@ -36,8 +36,7 @@ class CPUCopier:
 
     def __init__(self, planner: CopyPlanner, kv_caches: CanonicalKVCaches, pool: HostPool, finish: Finish):
         self.planner, self.pool, self._finish = planner, pool, finish
-        self._gpu_base = np.array([kvt.tensor.data_ptr() for kvt in kv_caches.tensors] or [0], dtype=np.int64)
-        self._pool_base = pool.tensor.data_ptr()
+        self._gpu_base, self._pool_base = base_addresses(kv_caches, pool)
         self._views: dict[StridedRef, list[tuple[np.ndarray, np.ndarray]]] = {
             st: self._run_views(kv_caches, st, planner.blocks_per_chunk[g])
             for g, sts in enumerate(planner.strided) for st in sts
@@ -104,15 +103,9 @@ class CPUCopier:
     def copy(self, plan: Plan) -> None:
         """The whole CPU copy path: memmove each byte range, np.copyto each
         stretch of a strided ref (both release the GIL)."""
-        gpu = (self._gpu_base[plan.tensor_idx] + plan.gpu_offset).tolist()
-        pool = (self._pool_base + plan.pool_offset).tolist()
         memmove = ctypes.memmove
-        if plan.direction == STORE:
-            for dst, src, n in zip(pool, gpu, plan.size.tolist()):
-                memmove(dst, src, n)
-        else:
-            for dst, src, n in zip(gpu, pool, plan.size.tolist()):
-                memmove(dst, src, n)
+        for dst, src, n in plan.ranges(self._gpu_base, self._pool_base):
+            memmove(dst, src, n)
         copyto = np.copyto
         for st, stretches in plan.strided:
             for gv, pv in self._views[st]:

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from kvoffload.abstractions import CanonicalKVCaches
-from kvoffload.tiers.cpu.plan import LOAD, STORE, CopyPlanner, GroupJob, Plan
+from kvoffload.tiers.cpu.plan import LOAD, STORE, CopyPlanner, GroupJob, Plan, base_addresses
 from kvoffload.tiers.host_pool import HostPool
 
 logger = logging.getLogger(__name__)
@@ -40,21 +40,11 @@ logger = logging.getLogger(__name__)
 Copy = Callable[[int, int, int], int]  # (dst address, src address, bytes) -> 0 when issued
 
 
-def base_addresses(kv_caches: CanonicalKVCaches, pool: HostPool) -> tuple[np.ndarray, int]:
-    """Address of block 0 of each KV tensor, and of the pool: the plan's
-    offsets count from these."""
-    gpu = np.array([kvt.tensor.data_ptr() for kvt in kv_caches.tensors] or [0], dtype=np.int64)
-    return gpu, pool.tensor.data_ptr()
-
-
 def issue(plan: Plan, gpu_base: np.ndarray, pool_base: int, copy: Copy) -> int:
     """Issue one copy per merged range of the plan; returns how many."""
     if plan.strided:
         raise ValueError("the CUDA executor copies pieces only; plan with strided=False")
-    gpu = (gpu_base[plan.tensor_idx] + plan.gpu_offset).tolist()
-    pool = (pool_base + plan.pool_offset).tolist()
-    pairs = zip(pool, gpu, plan.size.tolist()) if plan.direction == STORE else zip(gpu, pool, plan.size.tolist())
-    for dst, src, n in pairs:
+    for dst, src, n in plan.ranges(gpu_base, pool_base):
         if status := copy(dst, src, n):
             raise RuntimeError(f"cuMemcpyAsync of {n} bytes failed: CUresult {status}")
     return len(plan.size)

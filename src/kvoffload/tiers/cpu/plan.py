@@ -26,6 +26,7 @@ previous one on both sides merged; plus its strided refs' stretches.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -142,6 +143,21 @@ class Plan:
     size: np.ndarray
     nbytes: int
     strided: list[tuple[StridedRef, list[tuple]]]  # each strided ref with its stretches
+
+    def ranges(self, gpu_base: np.ndarray, pool_base: int) -> Iterator[tuple[int, int, int]]:
+        """(dst address, src address, bytes) of each range in this plan's
+        direction, given each tensor's and the pool's base address."""
+        gpu = (gpu_base[self.tensor_idx] + self.gpu_offset).tolist()
+        pool = (pool_base + self.pool_offset).tolist()
+        sizes = self.size.tolist()
+        return zip(pool, gpu, sizes) if self.direction == STORE else zip(gpu, pool, sizes)
+
+
+def base_addresses(kv_caches: CanonicalKVCaches, pool) -> tuple[np.ndarray, int]:
+    """Address of block 0 of each KV tensor, and of the pool's first slot:
+    a plan's offsets count from these."""
+    gpu = np.array([kvt.tensor.data_ptr() for kvt in kv_caches.tensors] or [0], dtype=np.int64)
+    return gpu, pool.tensor.data_ptr()
 
 
 def _fragments(ref: CanonicalKVCacheRef, page: int) -> list[tuple[int, int, int]]:
