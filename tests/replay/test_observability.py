@@ -49,7 +49,7 @@ def test_replay_events_cover_every_store_and_eviction():
             for ev in decode_batch(payload)[1]:
                 hashes = ev["block_hashes"]
                 if ev["type"] == "BlockStored":
-                    assert ev["medium"] == "CPU"
+                    assert ev["medium"] == "CPU" and ev["block_size"] == 64 and ev["group_idx"] == 0
                     assert not held.intersection(hashes), "a block announced twice without removal"
                     held.update(hashes)
                     stored += len(hashes)

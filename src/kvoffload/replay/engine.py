@@ -159,6 +159,9 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
             enable_kv_cache_events=opts.events is not None,
         )
         self.spec = build_spec(opts.spec, config)
+        encoder = getattr(opts.events, "encoder", None)
+        if encoder is not None and not encoder.block_size:  # routers read tokens per block from events
+            encoder.block_size = bs
         self.prompt_only = self.spec.offload_prompt_only
         # Room for every running request at its largest, plus the cache.
         biggest = max(len(r.block_hashes) + self._num_decode_blocks(r) for r in trace.requests)
