@@ -36,14 +36,15 @@ def turn(m: CPUOffloadingManager, prompt: list[bytes], step: int = 4, params=Non
 
 def test_a_context_larger_than_the_cache_keeps_its_head():
     """LRU's loop pathology: every turn re-reads a growing context larger
-    than the cache. LRU stores the tail over the head and misses at block 0;
-    chain keeps the head and refuses the tail."""
+    than the cache. LRU (as vLLM 0.33's: a running request's reads rank with
+    its stores, tail first) keeps only part of the head; chain keeps the
+    head and refuses the tail."""
     hits = {}
     for policy in ("lru", "chain"):
         m = CPUOffloadingManager(10, policy)
         hits[policy] = [turn(m, keys(0, 12 + 4 * t)) for t in range(6)]
     assert hits["chain"] == [0] + [10] * 5
-    assert sum(hits["lru"]) <= sum(hits["chain"]) / 3, hits["lru"]
+    assert sum(hits["lru"]) < sum(hits["chain"]), hits["lru"]
 
 
 def test_a_store_never_evicts_its_own_prefix_and_stops_at_the_first_refusal():
@@ -73,7 +74,7 @@ def test_conversations_that_together_outgrow_the_cache_share_it():
             for conv in (0, 1):
                 got.append(turn(m, keys(conv, 12 + 2 * t)))
         result[policy] = sum(got[4:])
-    assert result["lru"] == 0
+    assert result["lru"] * 10 <= result["chain"]  # LRU: almost nothing (its running request's own reads survive)
     assert result["chain"] >= 16 * 5  # the whole cache serves hits every round
 
 

@@ -46,6 +46,12 @@ class EvictionPolicy(ABC):
         request's batches end up tail-oldest. Default: nothing (a policy
         that counts uses must not see this as one)."""
 
+    def access(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        """Optional: a running request loaded these keys (prefix order). A
+        policy may rank them with the request's own keys until it finishes
+        (on_request_finished then touches them: the committed use). Not
+        overriding it (the default) means no call at all."""
+
     def admit(self, keys: list[bytes], free: int, ctx: ReqContext | None,
               can_evict: Callable[[bytes], bool]) -> int:
         """Optional admission: how many of a store's new keys (prefix order,
@@ -69,6 +75,11 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def __contains__(self, key: object) -> bool: ...
+
+
+def access_of(policy: EvictionPolicy):
+    """The policy's bound access method, or None when it keeps the default."""
+    return None if type(policy).access is EvictionPolicy.access else policy.access
 
 
 def admission_of(policy: EvictionPolicy):

@@ -10,8 +10,12 @@ OrderedDict is the group of the running request that stored it (None
 once used, re-ranked, or stored outside a request): evict, reaching the
 oldest key of a live group, takes that group's keys tail first. When the
 request finishes, the manager's refresh re-ranks its keys and the group
-dies. Per key: one list entry in its group; no per-key objects. Batches are
-assumed to arrive head first (each continues the prefix).
+dies. Per key: one list entry in its group; no per-key objects. The group
+is drained in token-position order, tail first (batches may be offered or
+complete out of order: a backfill, a reversed completion); it is sorted only
+when a batch arrived ranked before the previous one. Keys the running
+request loads join its group too (access(): moved to the newest end), so a
+reused prefix outlives the tail the request then stores, as in vLLM 0.33.
 """
 
 from __future__ import annotations
@@ -23,14 +27,33 @@ from kvoffload.abstractions import ReqContext
 from kvoffload.policies.base import EvictionPolicy
 
 
+_NO_POSITION = float("inf")
+
+
 class _Group:
-    """A running request's stored keys, in store order (head first)."""
+    """A running request's stored (and loaded) keys, head first while
+    in_order, and the request's key positions."""
 
-    __slots__ = ("keys", "live")
+    __slots__ = ("keys", "live", "positions", "in_order")
 
-    def __init__(self):
+    def __init__(self, positions: dict):
         self.keys: list[bytes] = []  # may list keys gone since: checked against the order
         self.live = True
+        self.positions = positions
+        self.in_order = True
+
+    def add(self, keys: list[bytes]) -> None:
+        if self.in_order and self.keys:
+            get = self.positions.get  # a batch ranked before the last one: sort at drain
+            self.in_order = get(keys[0], _NO_POSITION) >= get(self.keys[-1], _NO_POSITION)
+        self.keys += keys
+
+    def tail_first(self) -> list[bytes]:
+        if not self.in_order:
+            get = self.positions.get
+            self.keys.sort(key=lambda k: get(k, _NO_POSITION))
+            self.in_order = True
+        return self.keys[::-1]
 
     def __eq__(self, other: object) -> bool:  # same state (tests compare policy states)
         return isinstance(other, _Group) and (self.keys, self.live) == (other.keys, other.live)
@@ -45,14 +68,18 @@ class LRUPolicy(EvictionPolicy):
         super().__init__(capacity)
         self._order: OrderedDict[bytes, _Group | None] = OrderedDict()  # oldest first
 
+    def _group(self, ctx: ReqContext) -> _Group:
+        state = ctx._state  # ReqContext's scratch dict, read directly (hot path)
+        group = state.get(self)
+        if group is None:
+            group = state[self] = _Group(ctx._offload_key_positions)
+        return group
+
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         group = None
         if ctx is not None and keys and keys[-1] in ctx._offload_key_positions:
-            state = ctx._state  # ReqContext's scratch dict, read directly (hot path)
-            group = state.get(self)
-            if group is None:
-                group = state[self] = _Group()
-            group.keys += keys
+            group = self._group(ctx)
+            group.add(keys)
         # Reversed: the tail lands older than the head, so it goes first.
         order = self._order
         for k in reversed(keys):
@@ -64,6 +91,25 @@ class LRUPolicy(EvictionPolicy):
         for k in keys:  # head first to the old end: the tail ends up oldest
             order[k] = None
             move(k, last=False)
+
+    def access(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        # A running request loaded these (prefix order): they rank with its
+        # group from now on (newest end), as vLLM 0.33 ranks a request's
+        # reads provisionally; its on_request_finished commits the use.
+        if ctx is None or not keys or keys[-1] not in ctx._offload_key_positions:
+            return
+        group = self._group(ctx)
+        if not group.live:
+            return
+        group.add(keys)
+        order = self._order
+        move = order.move_to_end
+        for k in reversed(keys):
+            try:
+                move(k)
+            except KeyError:
+                continue
+            order[k] = group
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         order = self._order
@@ -115,7 +161,7 @@ class LRUPolicy(EvictionPolicy):
             drained.add(group)
             get = order.get
             taken = set()  # a key evicted and stored again is listed twice
-            for k2 in reversed(group.keys):
+            for k2 in group.tail_first():
                 if get(k2) is group and k2 not in taken and can_evict(k2):
                     taken.add(k2)
                     victims.append(k2)

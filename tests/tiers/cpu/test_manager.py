@@ -449,3 +449,47 @@ def test_finishing_reranks_a_requests_batches_head_most_recent(policy):
     m.on_request_finished(other)
     m.on_request_finished(r)  # now the most recent, head last out
     assert _evict_one_by_one(m, 6)[:5] == keys(7, 3, 2, 1, 0)
+
+
+@pytest.mark.parametrize("policy", ["lru"])
+@pytest.mark.parametrize("order", [(0, 2, 1), (2, 1, 0)])  # a backfill; batches completed in reverse
+def test_a_running_request_loses_its_tail_first_whatever_order_its_batches_came_in(policy, order):
+    m = CPUOffloadingManager(6, policy)
+    r = _req("r", keys(0, 1, 2))
+    outs = [m.prepare_store([K(i)], r) for i in order]
+    for out in reversed(outs) if order == (2, 1, 0) else outs:
+        m.complete_store(set(out.keys_to_store), r)
+    assert _evict_one_by_one(m, 6)[:3] == keys(2, 1, 0)
+
+
+@pytest.mark.parametrize("policy", ["lru"])
+def test_a_running_request_keeps_the_prefix_it_loaded_over_its_new_tail(policy):
+    """vLLM 0.33: a request's reads rank with its own keys while it runs, so
+    under pressure it loses its new tail before the reused head it needs."""
+    m = CPUOffloadingManager(4, policy)
+    seed = _req("seed", keys(1, 2))
+    _store_batches(m, seed, keys(1, 2))
+    m.on_request_finished(seed)
+    r = _req("r", keys(1, 2, 3))
+    m.prepare_load(keys(1, 2), r)
+    m.complete_load({K(1), K(2)}, r)
+    _store_batches(m, r, keys(3))
+    assert _evict_one_by_one(m, 3) == keys(3, 2)  # one slot was free
+    assert m.lookup(K(1), r) is LookupResult.HIT
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("finish_first", [False, True])
+def test_without_key_positions_a_request_ranks_in_its_prepare_store_order(policy, finish_first):
+    """complete_store gets a set (vLLM's): with no end-token positions on the
+    context, the order the request prepared its stores in is its prefix."""
+    m = CPUOffloadingManager(6, policy)
+    r = ReqContext("r")
+    ks = keys(5, 3, 9, 1, 7, 2)  # prefix order, not sorted by value
+    out = m.prepare_store(ks, r)
+    if finish_first:
+        m.on_request_finished(r)
+    m.complete_store(set(out.keys_to_store), r)
+    if not finish_first:
+        m.on_request_finished(r)
+    assert _evict_one_by_one(m, 6) == ks[::-1]

@@ -45,7 +45,7 @@ from kvoffload.config import ConfigError
 from kvoffload.hints import COUNTER as BAD_HINTS
 from kvoffload.keys import GROUP_BYTES, check_key
 from kvoffload.policies import get_policy_class
-from kvoffload.policies.base import admission_of
+from kvoffload.policies.base import access_of, admission_of
 from kvoffload.requests import low_retention, prefix_order
 
 PENDING = -1
@@ -103,6 +103,7 @@ class CPUOffloadingManager(OffloadingManager):
         self.locality = locality
         self.policy = get_policy_class(policy)(num_chunks)
         self._admit = admission_of(self.policy)
+        self._access = access_of(self.policy)
         # Bytes per chunk, for the *_bytes counters; set by the spec (0: unknown).
         self.chunk_bytes = 0
         self._slot_of: dict[bytes, int] = {}
@@ -209,6 +210,8 @@ class CPUOffloadingManager(OffloadingManager):
             rec[0].extend(keys)
             if rec[1]:
                 rec[2] = True  # may read back its own stores
+            if self._access is not None and not low_retention(req_context):  # running: rank with its keys
+                self._access(keys if type(keys) is list else prefix_order(list(keys), req_context), req_context)
         return self._make_spec(slots)
 
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
@@ -461,6 +464,7 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_pinned = self._num_pending = 0
         self.policy = type(self.policy)(self.num_chunks)
         self._admit = admission_of(self.policy)
+        self._access = access_of(self.policy)
         if removed and self._events is not None:
             self._events.append(OffloadingEvent(removed, self.medium, True, self.locality))
 
