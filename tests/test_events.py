@@ -190,3 +190,44 @@ def test_zmq_subscriber_decodes_with_vllms_classes(fmt):
 def test_bad_endpoint_is_a_clear_error():
     with pytest.raises(ValueError, match="cannot bind KV event endpoint"):
         ZmqEventPublisher("nonsense://x")
+
+
+from hypothesis import given  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+_KEYS = [make_offload_key(bytes([i]) * 8, i % 2) for i in range(6)]  # two KV groups
+_TIERS = [(Medium.CPU, None, None), (Medium.STORAGE, Locality.LOCAL, "disk"),
+          (Medium.CPU, Locality.REMOTE, "redis")]
+_OPS = st.lists(st.tuples(st.sampled_from(range(3)), st.booleans(), st.booleans(),
+                          st.lists(st.sampled_from(range(6)), min_size=1, max_size=6)), max_size=30)
+
+
+@given(_OPS)
+def test_both_encodings_announce_the_same_consistent_stream(ops):
+    """Whatever the managers report, a router sees each block stored once
+    until removed, removals only of what it was told is stored, one KV group
+    per event, and the map and array encodings say the same."""
+    enc = {f: EventEncoder(event_format=f) for f in ("map", "array")}
+    held: dict[str, set] = {}
+    for tier_i, removed, metadata_only, idx in ops:
+        medium, locality, owner = _TIERS[tier_i]
+        ev = OffloadingEvent([_KEYS[i] for i in idx], medium, removed=removed, locality=locality,
+                             ownership=owner, metadata_only=removed and metadata_only)
+        out = {f: [normalize_event(e) for e in e_.encode([ev])] for f, e_ in enc.items()}
+        assert out["map"] == out["array"]
+        tier = held.setdefault(str(tier_i), set())
+        for e in out["map"]:
+            assert (e["medium"], e["locality"], e["ownership"]) == (medium.value, locality and locality.value,
+                                                                     owner)
+            keys = {k for k in _KEYS if h(k) in e["block_hashes"] and k[-1] == e["group_idx"]}
+            assert len(keys) == len(e["block_hashes"])  # one group per event, no repeats
+            if e["type"] == "BlockStored":
+                assert not removed and not tier & keys
+                tier |= keys
+            else:
+                assert removed and not ev.metadata_only and keys <= tier
+                tier -= keys
+        if removed and not ev.metadata_only:
+            assert not tier & set(ev.keys)  # everything it held of them is now announced removed
+        elif not removed:
+            assert set(ev.keys) <= tier

@@ -161,10 +161,12 @@ class EventEncoder:
             # two tiers, is two separate facts for a router.
             tier = ev.ownership or medium + (locality or "")
             if ev.removed:
-                held = self._announced.get(tier, ())
+                held = self._announced.get(tier, set())
                 keys = [k for k in ev.keys if k in held]
-                if keys:
-                    held.difference_update(keys)
+                n = len(held)
+                held.difference_update(keys)
+                if n - len(held) != len(keys):  # a key twice in one event: once on the wire
+                    keys = list(dict.fromkeys(keys))
                 for group, ks in _by_group(keys).items():
                     out.append(_wire("BlockRemoved", _REMOVED, [
                         self.hashes(ks), medium, group,
@@ -172,7 +174,10 @@ class EventEncoder:
                 continue
             held = self._announced.setdefault(tier, set())
             keys = [k for k in ev.keys if k not in held]
+            n = len(held)
             held.update(keys)
+            if len(held) - n != len(keys):
+                keys = list(dict.fromkeys(keys))
             if self.describe is None:
                 for group, ks in _by_group(keys).items():
                     out.append(self._stored(self.hashes(ks), None, [], self.block_size, group, medium,
