@@ -54,6 +54,38 @@ def pattern(k: bytes) -> np.ndarray:
     return (np.arange(seed, seed + CHUNK // 8, dtype=np.uint64) * 11400714819323198485).view(np.uint8)
 
 
+class _MaybeLateReports:
+    """The storage worker, reporting each finished job one get_finished()
+    call late while `late` is set: a race a real worker shows rarely (its
+    thread finishes a job inside wait() and queues the report after the
+    next poll), so a reset may see a waited job reported only after it."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.late = False
+        self._held = []
+
+    def submit_store(self, job_id, src, dst):
+        return self.inner.submit_store(job_id, src, dst)
+
+    def submit_load(self, job_id, src, dst):
+        return self.inner.submit_load(job_id, src, dst)
+
+    def get_finished(self):
+        now = list(self.inner.get_finished())
+        if self.late:
+            out, self._held = self._held, now
+            return out
+        out, self._held = self._held + now, []
+        return out
+
+    def wait(self, job_ids):
+        self.inner.wait(job_ids)
+
+    def shutdown(self):
+        self.inner.shutdown()
+
+
 class TieringMachine(RuleBasedStateMachine):
     def __init__(self):
         super().__init__()
@@ -63,7 +95,8 @@ class TieringMachine(RuleBasedStateMachine):
         self.storage = StorageTier(str(self.dir / "kv"), 12 * CHUNK, CHUNK, NS)
         self.tier = Tier(self.storage, max_queue_depth=4)
         self.mgr = TieringManager(self.cpu, [self.tier])
-        self.mgr.attach_workers([self.storage.get_worker(self.pool)])
+        self.worker = _MaybeLateReports(self.storage.get_worker(self.pool))
+        self.mgr.attach_workers([self.worker])
         self.child_finished: Counter[str] = Counter()
         self._spy_child()
         self.running: dict[str, ReqContext] = {}
@@ -72,6 +105,7 @@ class TieringMachine(RuleBasedStateMachine):
         self.loads: list[tuple[ReqContext, list[bytes]]] = []
         self.dropped_slots: list[int] = []  # slots of stores a reset dropped, until flushed
         self.fenced = 0
+        self.fenced_by_late_jobs = 0
         self.next_req = 0
         self.cursor: dict[str, int] = {}  # request -> its next chunk to store
 
@@ -189,6 +223,10 @@ class TieringMachine(RuleBasedStateMachine):
     def settle(self):
         self.schedule_end(True)
 
+    @rule(late=st.booleans())
+    def reports_come_late(self, late):
+        self.worker.late = late
+
     @rule(i=picks)
     def corrupt_a_stored_chunk(self, i):
         """A fault on disk: the promotion reading it fails (checksum), its
@@ -206,14 +244,22 @@ class TieringMachine(RuleBasedStateMachine):
     # ---- resets ---------------------------------------------------------------
 
     @precondition(lambda self: self.stores or self.loads or self.running)
-    @rule(now=st.integers(0, 5))
-    def reset(self, now):
+    @rule(now=st.integers(0, 5), late=st.booleans())
+    def reset(self, now, late):
         if now:  # a reset is rare: most draws pass
             return
+        self.worker.late = late  # the jobs it waits for may be reported only after it
         pinned = {k for _, keys in self.loads for k in keys}
-        self.fenced += len(pinned) + sum(len(keys) for _, keys, _ in self.stores)
         self.dropped_slots += [s for _, _, slots in self.stores for s in slots]
         self.mgr.reset_cache()  # the engine drops its jobs: never completed
+        self.fenced += len(pinned) + sum(len(keys) for _, keys, _ in self.stores)
+        # our jobs a late report left behind held CPU slots at the reset: fenced too
+        # (kept apart: which jobs finish before the reset's poll is thread timing,
+        # and rule preconditions must not depend on it)
+        jobs = self.mgr.jobs
+        stale = [j for j in jobs if j.epoch != jobs.epoch]
+        also_pinned = {k for j in stale if j.is_store for k in j.keys} - pinned
+        self.fenced_by_late_jobs += len(also_pinned) + sum(len(j.keys) for j in stale if not j.is_store)
         self.cursor.clear()  # vLLM re-offloads running requests from chunk 0
         self.stores.clear()
         self.loads.clear()
@@ -233,7 +279,7 @@ class TieringMachine(RuleBasedStateMachine):
         if self.dropped_slots:
             self.late_write()
         self.dropped_slots.clear()
-        self.fenced = 0
+        self.fenced = self.fenced_by_late_jobs = 0
         self.mgr.on_reset_flushed()
 
     # ---- invariants ---------------------------------------------------------
@@ -243,9 +289,10 @@ class TieringMachine(RuleBasedStateMachine):
         cpu = self.cpu
         held = list(cpu._slot_of.values())
         assert sorted(held + cpu._free + cpu._fenced) == list(range(CPU_CHUNKS))
-        assert len(cpu._fenced) == self.fenced
-        promoting = [k for job in self.mgr.jobs if not job.is_store for k in job.keys]
-        cascading = Counter(k for job in self.mgr.jobs if job.is_store for k in job.keys)
+        assert len(cpu._fenced) == self.fenced + self.fenced_by_late_jobs
+        jobs = self.mgr.jobs  # those of an earlier epoch hold nothing in CPU any more
+        promoting = [k for job in jobs if not job.is_store and job.epoch == jobs.epoch for k in job.keys]
+        cascading = Counter(k for job in jobs if job.is_store and job.epoch == jobs.epoch for k in job.keys)
         pending = {k for k, s in cpu._slot_of.items() if cpu._state[s] == -1}
         assert pending == {k for _, keys, _ in self.stores for k in keys} | set(promoting)
         pins = Counter({k: cpu._state[s] for k, s in cpu._slot_of.items() if cpu._state[s] > 0})
