@@ -103,7 +103,7 @@ def bench_size(chunk_bytes: int, args, bar) -> dict:
     # Each worker run sits between two reference copies; its ratio is taken
     # against their mean, so load swings on this shared machine cancel.
     times = {"copy_": [], "store": [], "load": [], "direct": []}
-    ratios = {"store": [], "load": [], "direct": []}
+    ratios = {"store": [], "load": [], "direct": [], "store_vs_direct": []}
     def ref(direction):
         dst, src = (ref_host, ref_dev) if direction != "load" else (ref_dev, ref_host)
         return timed(lambda: (dst.copy_(src, non_blocking=True), sync()))
@@ -118,6 +118,8 @@ def bench_size(chunk_bytes: int, args, bar) -> dict:
             times["copy_"] += [before, after]
             times[direction].append(t)
             ratios[direction].append((before + after) / 2 / t)
+        if "direct" in directions:  # the worker's store against the bare loop, same round
+            ratios["store_vs_direct"].append(times["direct"][-1] / times["store"][-1])
         bar.update(1)
     # bit-exact check: the first layer's pages sit at the start of their slots
     pool_pages = worker.pool.tensor[:, :page].view(torch.int8)
@@ -223,12 +225,13 @@ def main():
           "(ratio: each run against the copy_ right before and after it)")
     print("GB/s: end to end (submit to wait); in brackets the transfer thread's own copy time")
     print("direct/copy_: a memmove loop over the same chunks in the calling thread, no worker")
+    print("store/direct: the worker's store against that loop in the same round (its own overhead)")
     print(f"{'chunk':>8} {'copy_':>7} {'store':>14} {'load':>14} {'store/copy_':>12} {'load/copy_':>11} "
-          f"{'direct/copy_':>13}")
+          f"{'direct/copy_':>13} {'store/direct':>13}")
     for r in rows:
         print(f"{r['chunk_kib']:>5} KiB {r['copy_']:>7.2f} {r['store']:>6.2f} ({r['store_thread']:>5.2f}) "
               f"{r['load']:>6.2f} ({r['load_thread']:>5.2f}) {r['store_ratio']:>12.2f} {r['load_ratio']:>11.2f} "
-              f"{r['direct_ratio']:>13.2f}")
+              f"{r['direct_ratio']:>13.2f} {r['store_vs_direct_ratio']:>13.2f}")
     big = [r for r in rows if r["chunk_kib"] >= 256]
     if big:
         worst = min(min(r["store_ratio"], r["load_ratio"]) for r in big)
