@@ -9,6 +9,13 @@ full key, checksum, optional MAC) in a small registered per-thread buffer,
 and the chunk in its slot. No chunk is copied in Python; a load is checked
 (header, checksum, key, MAC) before it is reported done, and a bad value
 is a counted miss, removed from the store so the next store rewrites it.
+
+Loads are checked behind the transfers: the IO thread hands a round's
+check (header, xxh3 over the payload, MAC) to one checker thread and goes
+on with its next batched call, which releases the GIL while the check
+(xxhash holds it) runs; the part is reported when its last round is
+checked. Each IO thread has two registered header buffers, so it waits
+only when both hold rounds still being checked.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ from __future__ import annotations
 import ctypes
 import logging
 import mmap
+import queue
+import threading
 
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.mooncake.client import (
@@ -29,7 +38,7 @@ from kvoffload.tiers.mooncake.client import (
 from kvoffload.tiers.mooncake.config import MooncakeConfig
 from kvoffload.tiers.remote.state import SharedState
 from kvoffload.tiers.remote.value import BAD_MAC, CORRUPT, ERROR, HEADER_BYTES, MISSING, OK, WRONG_KEY, ValueCodec
-from kvoffload.tiers.remote.worker import RemoteTierWorker
+from kvoffload.tiers.remote.worker import RemoteTierWorker, _Job
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +64,37 @@ class _HeaderBuffer:
         self._store.unregister_buffer(self.addr)
 
 
+class _HeaderBuffers:
+    """An IO thread's two header buffers: one being filled by a batched
+    call while the checker reads the other."""
+
+    def __init__(self, store, n: int):
+        self.free: queue.SimpleQueue = queue.SimpleQueue()
+        self._all = []
+        for _ in range(2):
+            hb = _HeaderBuffer(store, n)
+            self._all.append(hb)
+            self.free.put(hb)
+
+    def close(self) -> None:
+        for _ in self._all:  # both back from the checker first
+            self.free.get()
+        for hb in self._all:
+            hb.close()
+
+
+class _Part:
+    """A load part's rounds still being checked."""
+
+    __slots__ = ("job", "n_slots", "rounds_left", "ok")
+
+    def __init__(self, job: _Job, n_slots: int, rounds: int):
+        self.job = job
+        self.n_slots = n_slots
+        self.rounds_left = rounds
+        self.ok = True
+
+
 class MooncakeTierWorker(RemoteTierWorker):
     def __init__(self, pool: HostPool, store, cfg: MooncakeConfig, state: SharedState, codec: ValueCodec):
         self._base = pool.tensor.data_ptr()
@@ -63,34 +103,99 @@ class MooncakeTierWorker(RemoteTierWorker):
             raise RuntimeError(f"mooncake: cannot register the {pool.nbytes}-byte host pool (code {rc})")
         self._per_round = max(1, cfg.batch_bytes // max(1, pool.used_chunk_bytes))
         self._replicate = replicate_config(cfg)
+        self._checks: queue.SimpleQueue = queue.SimpleQueue()
+        self._parts_lock = threading.Lock()
+        self._checker = threading.Thread(target=self._check_loads, name="kvoffload-mooncake-check", daemon=True)
+        self._checker.start()
         super().__init__(pool, store, cfg, state, codec)
 
     def shutdown(self) -> None:
         super().shutdown()
-        if not any(t.is_alive() for t in self._threads):  # a thread stuck in a call may still use it
+        self._checks.put(None)  # after the IO threads: nothing more gets queued
+        self._checker.join(timeout=10)
+        if not any(t.is_alive() for t in (*self._threads, self._checker)):  # one stuck in a call may still use it
             self._client.unregister_buffer(self._base)
 
+    # -- loads: transfer on the IO thread, check on the checker thread ---
+    def _move(self, conns: dict, job: _Job, slots: list[int], spec) -> None:
+        if job.is_store or not slots:
+            return super()._move(conns, job, slots, spec)
+        c = self._state.counters
+        backoff = self._state.backoff
+        if not backoff.available():
+            c.add("load_failures", len(slots))
+            return self._part_done(job, len(slots), False)
+        try:
+            hbs = conns.get("headers") or conns.setdefault("headers", _HeaderBuffers(self._client, self._per_round))
+        except Exception:  # noqa: BLE001 - e.g. registration refused: fail the job, keep the thread
+            log.exception("mooncake load job %d failed", job.job_id)
+            c.add("load_failures", len(slots))
+            return self._part_done(job, len(slots), False)
+        n = self._per_round
+        starts = range(0, len(slots), n)
+        part = _Part(job, len(slots), len(starts))
+        for r, i in enumerate(starts):
+            sl = slice(i, i + n)
+            hb = hbs.free.get()  # waits while both buffers' rounds are being checked
+            try:
+                codes = self._fetch(hb, slots[sl], spec.redis_keys[sl])
+            except Exception:  # noqa: BLE001 - a bug here must fail the job, not kill the thread
+                log.exception("mooncake load job %d failed", job.job_id)
+                codes = None
+            if codes is None:  # the master could not be asked (or a bug): the rest would fail too
+                hbs.free.put(hb)
+                backoff.failed()
+                c.add("load_failures", len(slots) - i)
+                self._rounds_done(part, len(starts) - r, False)
+                return None
+            self._checks.put((part, hbs, hb, slots[sl], spec.redis_keys[sl], spec.keys[sl], codes))
+        backoff.succeeded()
+        return None
+
+    def _check_loads(self) -> None:
+        while (item := self._checks.get()) is not None:
+            part, hbs, hb, slots, keys, offload_keys, codes = item
+            good = False
+            try:
+                good = self._verify_round(hb, slots, keys, offload_keys, codes)
+            except Exception:  # noqa: BLE001 - a bug here must fail the job, not kill the thread
+                log.exception("mooncake load job %d: check failed", part.job.job_id)
+            finally:
+                hbs.free.put(hb)
+            self._rounds_done(part, 1, good)
+
+    def _rounds_done(self, part: _Part, rounds: int, ok: bool) -> None:
+        with self._parts_lock:  # the IO thread (on a failure) and the checker both count down
+            part.ok = part.ok and ok
+            part.rounds_left -= rounds
+            done = part.rounds_left == 0
+        if done:
+            self._part_done(part.job, part.n_slots, part.ok)
+
     def _transfer(self, conns: dict, is_store: bool, slots: list[int], spec) -> bool:
-        # conns: this IO thread's own things (here its header buffer); closed when the thread ends
+        """Stores (loads go through _move): each round put from a header buffer + the slots."""
+        # conns: this IO thread's own things (here its header buffers); closed when the thread ends
         c = self._state.counters
         backoff = self._state.backoff
         if not slots:
             return True
-        failed = "store_failures" if is_store else "load_failures"
         if not backoff.available():
-            c.add(failed, len(slots))
+            c.add("store_failures", len(slots))
             return False
-        hb = conns.get("headers") or conns.setdefault("headers", _HeaderBuffer(self._client, self._per_round))
-        ok, n = True, self._per_round
-        for i in range(0, len(slots), n):
-            part = slice(i, i + n)
-            args = (hb, slots[part], spec.redis_keys[part])
-            good = self._put(*args) if is_store else self._get(*args, spec.keys[part])
-            if good is None:  # the master could not be asked: the rest would fail too
-                backoff.failed()
-                c.add(failed, len(slots) - i)
-                return False
-            ok = ok and good
+        hbs = conns.get("headers") or conns.setdefault("headers", _HeaderBuffers(self._client, self._per_round))
+        hb = hbs.free.get()
+        try:
+            ok, n = True, self._per_round
+            for i in range(0, len(slots), n):
+                part = slice(i, i + n)
+                good = self._put(hb, slots[part], spec.redis_keys[part])
+                if good is None:  # the master could not be asked: the rest would fail too
+                    backoff.failed()
+                    c.add("store_failures", len(slots) - i)
+                    return False
+                ok = ok and good
+        finally:
+            hbs.free.put(hb)
         backoff.succeeded()
         return ok
 
@@ -114,13 +219,17 @@ class MooncakeTierWorker(RemoteTierWorker):
             log.debug("mooncake put: codes %s", sorted(set(codes)))
         return n_ok == len(keys)
 
-    def _get(self, hb: _HeaderBuffer, slots: list[int], keys: list[str], offload_keys: list[bytes]) -> bool | None:
+    def _fetch(self, hb: _HeaderBuffer, slots: list[int], keys: list[str]) -> list[int] | None:
+        """One batched get of header + slot per key; None: the master could not be asked."""
+        codes = self._client.batch_get_into_multi_buffers(
+            keys, self._pointers(hb, slots), [[HEADER_BYTES, self.payload_bytes]] * len(keys))
+        return None if any(network_failed(x) for x in codes) else codes
+
+    def _verify_round(self, hb: _HeaderBuffer, slots: list[int], keys: list[str], offload_keys: list[bytes],
+               codes: list[int]) -> bool:
+        """Whether every value fetched is ours and intact; counts and removes the bad ones."""
         payload, codec, view, chunk = self.payload_bytes, self._codec, hb.view, self.pool.chunk_memoryview
         want = HEADER_BYTES + payload
-        codes = self._client.batch_get_into_multi_buffers(
-            keys, self._pointers(hb, slots), [[HEADER_BYTES, payload]] * len(keys))
-        if any(network_failed(x) for x in codes):
-            return None
         status = []
         for j, (s, k, code) in enumerate(zip(slots, keys, codes)):
             if code == want:

@@ -160,27 +160,33 @@ class RemoteTierWorker(TierWorker):
     def _run(self) -> None:
         conns: dict[str, RawConnection] = {}
         while (part := self._take()) is not None:
-            job, slots, spec = part
-            ok = False
-            try:
-                ok = self._transfer(conns, job.is_store, slots, spec)
-            except Exception:  # noqa: BLE001 - a bug here must fail the job, not kill the thread
-                log.exception("remote %s job %d failed", "store" if job.is_store else "load", job.job_id)
-            with self._cond:
-                self._state.worker_queue_blocks -= len(slots)
-                job.ok = job.ok and ok
-                job.parts_left -= 1
-                if job.parts_left:
-                    continue
-                nbytes = job.blocks * self.payload_bytes
-                if job.is_store:
-                    self._queued_store_bytes -= nbytes
-                self._in_flight.discard(job.job_id)
-                self._finished.append(TransferResult(job.job_id, job.ok, nbytes if job.ok else 0,
-                                                     time.perf_counter() - job.start))
-                self._cond.notify_all()
+            self._move(conns, *part)
         for rc in conns.values():
             rc.close()
+
+    def _move(self, conns: dict, job: _Job, slots: list[int], spec) -> None:
+        """Move one part and report it (a subclass may report it later, from another thread)."""
+        ok = False
+        try:
+            ok = self._transfer(conns, job.is_store, slots, spec)
+        except Exception:  # noqa: BLE001 - a bug here must fail the job, not kill the thread
+            log.exception("remote %s job %d failed", "store" if job.is_store else "load", job.job_id)
+        self._part_done(job, len(slots), ok)
+
+    def _part_done(self, job: _Job, n_slots: int, ok: bool) -> None:
+        with self._cond:
+            self._state.worker_queue_blocks -= n_slots
+            job.ok = job.ok and ok
+            job.parts_left -= 1
+            if job.parts_left:
+                return
+            nbytes = job.blocks * self.payload_bytes
+            if job.is_store:
+                self._queued_store_bytes -= nbytes
+            self._in_flight.discard(job.job_id)
+            self._finished.append(TransferResult(job.job_id, job.ok, nbytes if job.ok else 0,
+                                                 time.perf_counter() - job.start))
+            self._cond.notify_all()
 
     def _transfer(self, conns: dict, is_store: bool, slots: list[int], spec: RemoteLoadStoreSpec) -> bool:
         c = self._state.counters
