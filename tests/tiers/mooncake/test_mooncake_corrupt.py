@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvoffload.abstractions import LookupResult
+from kvoffload.abstractions import CPULoadStoreSpec, LookupResult
 from kvoffload.tiers.remote.value import HEADER_BYTES
-from mooncake_helpers import fill, keys_for, load, lookup, make_tier, store, wait_until
+from mooncake_helpers import CTX, fill, keys_for, load, lookup, make_tier, store, wait_until
 
 pytestmark = pytest.mark.mooncake
 
@@ -66,6 +66,33 @@ def test_damaged_value_is_a_miss(mooncake, raw, prefix, how):
         assert np.array_equal(pool.chunk(0), pool.chunk(6)) and np.array_equal(pool.chunk(2), pool.chunk(7))
         assert store(m, w, [keys[1]], [1]) and load(m, w, [keys[1]], [5])  # rewritten, served again
         assert np.array_equal(pool.chunk(1), pool.chunk(5))
+    finally:
+        tier.shutdown()
+
+
+def test_damage_in_a_later_round_fails_the_job_once(mooncake, raw, prefix):
+    """Rounds of one value each (batch_bytes = one chunk), checked behind the
+    transfers: a bad value in the last round still fails the job, which is
+    reported once, after every round was checked."""
+    chunk = 8192
+    tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=12, chunk_bytes=chunk, batch_bytes=chunk)
+    try:
+        keys = keys_for(5, seed=21)
+        fill(pool, range(5), seed=21)
+        assert store(m, w, keys, list(range(5)))
+        rkey = tier.keyspace.redis_key(keys[4])
+        v = bytearray(raw.get(rkey))
+        v[HEADER_BYTES + 5] ^= 1
+        _replace(raw, rkey, bytes(v))
+        spec = m.prepare_load(keys, CTX)
+        assert w.submit_load(91, spec, CPULoadStoreSpec(list(range(5, 10))))
+        w.wait({91})
+        done = [r for r in w.get_finished() if r.job_id == 91]
+        m.complete_load(keys, CTX)
+        assert len(done) == 1 and not done[0].success
+        c = m.get_stats().counters
+        assert c["checksum_failures"] == 1 and c["loaded_blocks"] == 4 and c["load_failures"] == 1
+        assert np.array_equal(pool.array[0:4], pool.array[5:9])
     finally:
         tier.shutdown()
 
