@@ -4,6 +4,7 @@ same trace, `--repeats` times each; medians and the ratio between them.
 
     git archive <old-commit> src | tar -x -C /tmp/before
     .venv/bin/python benchmarks/bench_replay_speed.py TRACE --trees /tmp/before/src src --repeats 3
+    .venv/bin/python benchmarks/bench_replay_speed.py TRACE --trees src src --tree-args "" "--verify all"
 
 Each run is `kvoffload replay TRACE --no-progress --json ...` (plus
 `--args`) in a fresh process with PYTHONPATH set to the tree. Reported from
@@ -48,14 +49,21 @@ def main() -> None:
     ap.add_argument("--trees", nargs="+", required=True, help="source trees (directories holding kvoffload/)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--args", default="", help="more `kvoffload replay` options, e.g. '--cpu-blocks 5%%'")
+    ap.add_argument("--tree-args", nargs="+", metavar="ARGS",
+                    help="options of each tree's runs, in the order of --trees (e.g. '' '--verify all': "
+                         "one tree, two ways)")
     args = ap.parse_args()
     extra = shlex.split(args.args)
-    runs: dict[str, list[dict]] = {t: [] for t in args.trees}
+    per_tree = args.tree_args or [""] * len(args.trees)
+    if len(per_tree) != len(args.trees):
+        ap.error("--tree-args needs one entry per tree")
+    names = [f"{t} {a}".strip() for t, a in zip(args.trees, per_tree)]
+    runs: dict[str, list[dict]] = {n: [] for n in names}
     for i in range(args.repeats):
-        for t in args.trees:
-            s = run_once(t, args.trace, extra)
-            runs[t].append(s)
-            print(f"run {i + 1} {t}: wall {s['wall_s']:.2f} s, CPU {s['cpu_s']:.2f} s, "
+        for t, a, name in zip(args.trees, per_tree, names):
+            s = run_once(t, args.trace, extra + shlex.split(a))
+            runs[name].append(s)
+            print(f"run {i + 1} {name}: wall {s['wall_s']:.2f} s, CPU {s['cpu_s']:.2f} s, "
                   f"{s['block_refs'] / s['wall_s']:,.0f} refs/s, hit rate {s['offload_prefix_hit_rate']:.4f}",
                   file=sys.stderr)
     med = {}
@@ -70,9 +78,9 @@ def main() -> None:
         print(f"| {t} | {refs:,} | {m['wall_s']:.2f} | {m['cpu_s']:.2f} | {refs / m['wall_s']:,.0f} | "
               f"{refs / m['cpu_s']:,.0f} | {m['manager_s'] / m['wall_s']:.0%} | {m['worker_s'] / m['wall_s']:.0%} | "
               f"{m['harness_s'] / m['wall_s']:.0%} | {m['process_s']:.1f} |")
-    if len(args.trees) >= 2:
-        a, b = (med[t] for t in args.trees[:2])
-        print(f"\n{args.trees[1]} vs {args.trees[0]}, per block reference: wall {a['wall_s'] / a['refs'] * b['refs'] / b['wall_s']:.2f}x "
+    if len(names) >= 2:
+        a, b = (med[n] for n in names[:2])
+        print(f"\n{names[1]} vs {names[0]}, per block reference: wall {a['wall_s'] / a['refs'] * b['refs'] / b['wall_s']:.2f}x "
               f"faster, CPU {a['cpu_s'] / a['refs'] * b['refs'] / b['cpu_s']:.2f}x, "
               f"process {a['process_s'] / b['process_s']:.2f}x")
 
