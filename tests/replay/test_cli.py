@@ -99,3 +99,13 @@ def test_parallel_sweep_prints_what_the_sequential_one_prints(mooncake_file, tmp
     assert 1 <= default_workers(3) <= 3 and default_workers(1) == 1
     assert main(["replay", str(p), "--sweep", "1,2", "--sweep-workers", "0"]) == 2
     assert "--sweep-workers must be positive, got 0" in capsys.readouterr().err
+
+
+def test_parallel_sweep_runs_no_more_at_once_than_memory_holds():
+    from kvoffload.replay.sweep import fit_workers
+
+    assert fit_workers([10, 20, 30], 3, None) == 3
+    assert fit_workers([10, 20, 30], 3, 60) == 3
+    assert fit_workers([10, 20, 30], 3, 59) == 2  # the two biggest together: 50
+    assert fit_workers([10, 20, 30], 2, 1000) == 2
+    assert fit_workers([10, 20, 30], 3, 5) == 1  # one at a time, as the sequential run would

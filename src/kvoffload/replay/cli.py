@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvoffload.config import ConfigError, check_fits_in_memory, parse_bytes
+from kvoffload.config import ConfigError, check_fits_in_memory, memory_available, parse_bytes
 from kvoffload.redact import redact_text, redact_url
-from kvoffload.replay.sweep import default_workers, replay_once, run_sweep
+from kvoffload.replay.sweep import default_workers, fit_workers, replay_once, run_sweep
 from kvoffload.replay.traces import FORMATS, Trace, load_trace, mark_final_turns
 
 # KV bytes per token (K and V, all layers, bf16) of common models.
@@ -178,10 +178,12 @@ def sweep_points(value: str) -> list[str]:
     return [c.strip() for c in value.split(",") if c.strip()]
 
 
-def check_engine_memory(trace: Trace, opts) -> None:
+def check_engine_memory(trace: Trace, opts) -> int:
     """The simulated GPU cache is allocated first, sized as ReplayEngine
     sizes it (room for every running request at its largest, plus the
-    cache): refuse a size the machine cannot hold before allocating it."""
+    cache): refuse a size the machine cannot hold before allocating it.
+    Returns about what the replay holds in memory (that cache and a CPU
+    pool of num_cpu_chunks pages, 4 KiB-aligned, or cpu_bytes_to_use)."""
     bs = trace.block_size
 
     def blocks_of(r) -> int:
@@ -194,6 +196,9 @@ def check_engine_memory(trace: Trace, opts) -> None:
     page = opts.kv_bytes_per_token * bs
     check_fits_in_memory(blocks * page, f"the simulated GPU KV cache ({blocks} blocks of {page} bytes: "
                                         f"--gpu-blocks, --max-running, the longest request, --kv-bytes-per-token)")
+    extra = opts.extra_config
+    pool = extra.get("cpu_bytes_to_use") or extra.get("num_cpu_chunks", 0) * -(-page // 4096) * 4096
+    return blocks * page + int(pool)
 
 
 def parse_capacity(value: str, unique_blocks: int, key: str = "--cpu-blocks") -> int:
@@ -327,15 +332,17 @@ def _run(args) -> int:
         if args.sweep:
             caps = sweep_points(args.sweep)
             options = [build_options(args, trace, cpu_blocks=c) for c in caps]
+            sizes = []
             for c, opts in zip(caps, options):
-                check_engine_memory(trace, opts)
+                sizes.append(check_engine_memory(trace, opts))
                 opts.progress_label = f"[{c}]"
 
             def done(i: int, r) -> None:
                 print(f"[{caps[i]}] offload prefix hit rate {report.summary(r)['offload_prefix_hit_rate']:.4f}",
                       file=sys.stderr)
 
-            workers = args.sweep_workers or default_workers(len(options))
+            # as many at once as the memory holds, the biggest together
+            workers = fit_workers(sizes, args.sweep_workers or default_workers(len(options)), memory_available())
             results = run_sweep(trace, options, args.oracle, workers, done)
             points = [(o.extra_config["num_cpu_chunks"], r) for o, r in zip(options, results)]
             print(report.sweep_table(points))

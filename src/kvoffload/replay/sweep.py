@@ -46,6 +46,21 @@ def default_workers(points: int) -> int:
     return max(1, min(points, usable_cores()))
 
 
+def fit_workers(sizes: list[int], workers: int, available: int | None) -> int:
+    """At most `workers` replays at once, and no more than the memory holds
+    even when the biggest of them run together (each has its own pool and
+    simulated GPU cache); at least one."""
+    if available is None:
+        return max(1, workers)
+    n, total = 0, 0
+    for size in sorted(sizes, reverse=True)[:workers]:
+        total += size
+        if total > available:
+            break
+        n += 1
+    return max(1, n)
+
+
 def _replay_forked(opts, oracle: bool):
     return replay_once(_TRACE, opts, oracle)
 
