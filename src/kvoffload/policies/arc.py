@@ -16,6 +16,8 @@ from itertools import islice, repeat
 from kvoffload.abstractions import ReqContext
 from kvoffload.policies.base import EvictionPolicy
 
+_ABSENT = object()
+
 
 def _pick(it: Iterator[bytes], n: int, can_evict: Callable[[bytes], bool]) -> list[bytes]:
     """Up to n evictable keys from it, oldest first; it stops right after
@@ -66,13 +68,16 @@ class ARCPolicy(EvictionPolicy):
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         t1, t2 = self.t1, self.t2
-        rk = keys[::-1]  # reversed, so the head ends up most recent in T2
-        hit1 = t1.keys() & rk  # seen once before: promoted (usually few; a hot prefix is in T2)
-        for k in hit1:
-            del t1[k]
-            t2[k] = None  # placed by the pass below
-        # Every key held (now all in T2) to the MRU end in order, unknown keys skipped: C-level.
-        deque(map(t2.move_to_end, filter(t2.__contains__, rk)), 0)
+        pop1, move2 = t1.pop, t2.move_to_end
+        # Reversed, so the head ends up most recent in T2.
+        for k in reversed(keys):
+            if pop1(k, _ABSENT) is _ABSENT:
+                try:
+                    move2(k)
+                except KeyError:
+                    pass
+            else:
+                t2[k] = None
 
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         # Re-rank within the key's own list: storing is not a second use.

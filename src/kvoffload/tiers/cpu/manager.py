@@ -187,15 +187,8 @@ class CPUOffloadingManager(OffloadingManager):
         except (KeyError, TypeError):
             raise self._not_held(keys, "prepare_load") from None
         rec = self._record(req_context)  # before pinning: a bad context raises with nothing changed
-        values = [state[s] for s in slots]
-        if values and min(values) >= 0 and len(set(slots)) == len(slots):
-            # The usual case (all readable, each key once): pin without per-key branches.
-            for s in slots:
-                state[s] += 1
-            self._num_pinned += values.count(0)
-            values = None
         newly_pinned = 0
-        for i, s in enumerate(slots if values else ()):
+        for i, s in enumerate(slots):
             v = state[s]
             if v == PENDING:
                 for s2 in slots[:i]:  # undo: nothing changes on error
@@ -228,14 +221,6 @@ class CPUOffloadingManager(OffloadingManager):
             slots = [slot_of[k] for k in keys]
         except (KeyError, TypeError):
             raise self._not_held(keys, "complete_load") from None
-        values = [state[s] for s in slots]
-        if values and min(values) > 0 and len(set(slots)) == len(slots):
-            # The usual case (all pinned, each key once): unpin without per-key branches.
-            for s in slots:
-                state[s] -= 1
-            self._num_pinned -= values.count(1)
-            self._loaded += len(slots)
-            return
         unpinned = 0
         for i, s in enumerate(slots):
             v = state[s]
