@@ -120,7 +120,8 @@ class ARCPolicy(EvictionPolicy):
         for k in from2:
             del t2[k]
             b2[k] = None
-        self._trim_ghosts()
+        # No ghost trimming here: T1->B1 and T2->B2 keep |T1|+|B1| and the
+        # directory's size as they were (within bounds since the last insert).
         return from1 + from2
 
     def _trim_ghosts(self) -> None:
