@@ -4,9 +4,14 @@ One transfer thread plans each job (plan.py) and runs ctypes.memmove over
 raw addresses (memmove releases the GIL; it beat copy_ loops and
 index_select/index_copy_ here, see docs/BENCHMARKS.md "Copy bandwidth").
 The thread takes the GIL back between ranges, so merged, large ranges
-matter. A strided ref is copied as one np.copyto per stretch of its numpy
-strided views (all blocks x fragments; all slots x pages x fragments).
-Nothing on the copy path allocates beyond the plan's few small arrays.
+matter. A job of many small ranges (mean below GATHER_BELOW: 1 KiB blocks
+in 4 KiB pool chunks never merge) is instead one numpy gather/scatter per
+tensor over views of records of the range size: numpy copies each range
+in its own loop, without a Python call per range (it goes through a
+temporary of the job's bytes, small for such jobs). A strided ref is
+copied as one np.copyto per stretch of its numpy strided views (all
+blocks x fragments; all slots x pages x fragments). Nothing else on the
+copy path allocates beyond the plan's few small arrays.
 """
 
 from __future__ import annotations
@@ -28,6 +33,13 @@ from kvoffload.tiers.host_pool import HostPool
 
 logger = logging.getLogger(__name__)
 
+# A job of at least GATHER_MIN_RANGES ranges of mean size below GATHER_BELOW
+# is one gather/scatter instead of a memmove per range: per job of 1,024
+# ranges, 5.5x faster at 1 KiB, 1.7x at 4 KiB, even at 16 KiB, slower from
+# 32 KiB (numpy's gather goes through a temporary; docs/BENCHMARKS.md).
+GATHER_BELOW = 8 * 1024
+GATHER_MIN_RANGES = 16
+
 Finish = Callable[[int, int, "float | None"], None]  # (job id, bytes or -1 if failed, seconds)
 
 
@@ -37,6 +49,10 @@ class CPUCopier:
     def __init__(self, planner: CopyPlanner, kv_caches: CanonicalKVCaches, pool: HostPool, finish: Finish):
         self.planner, self.pool, self._finish = planner, pool, finish
         self._gpu_base, self._pool_base = base_addresses(kv_caches, pool)
+        # byte views from each tensor's block 0 (a plan's offsets count from there) and of the pool
+        self._gpu_bytes = [_bytes_at(kvt.tensor) for kvt in kv_caches.tensors]
+        self._pool_bytes = pool.array.reshape(-1)
+        self._windows: dict[tuple[int, int], np.ndarray] = {}  # (tensor or -1 for the pool, bytes) -> view
         self._views: dict[StridedRef, list[tuple[np.ndarray, np.ndarray]]] = {
             st: self._run_views(kv_caches, st, planner.blocks_per_chunk[g])
             for g, sts in enumerate(planner.strided) for st in sts
@@ -101,11 +117,15 @@ class CPUCopier:
         return views
 
     def copy(self, plan: Plan) -> None:
-        """The whole CPU copy path: memmove each byte range, np.copyto each
-        stretch of a strided ref (both release the GIL)."""
-        memmove = ctypes.memmove
-        for dst, src, n in plan.ranges(self._gpu_base, self._pool_base):
-            memmove(dst, src, n)
+        """The whole CPU copy path: memmove each byte range (or gather a
+        job of many small ones), np.copyto each stretch of a strided ref."""
+        n = len(plan.size)
+        if n >= GATHER_MIN_RANGES and int(plan.size.sum()) < GATHER_BELOW * n:
+            self._gather(plan)
+        else:
+            memmove = ctypes.memmove
+            for dst, src, size in plan.ranges(self._gpu_base, self._pool_base):
+                memmove(dst, src, size)
         copyto = np.copyto
         for st, stretches in plan.strided:
             for gv, pv in self._views[st]:
@@ -115,3 +135,36 @@ class CPUCopier:
                 else:
                     for g, p, _ in stretches:
                         copyto(gv[g], pv[p])
+
+    def _window(self, which: int, size: int) -> np.ndarray:
+        """A tensor's (or the pool's, which=-1) bytes as overlapping records
+        of `size` bytes, one starting at every byte: indexing it by byte
+        offsets gathers whole ranges, one memcpy each inside numpy."""
+        v = self._windows.get((which, size))
+        if v is None:
+            b = self._pool_bytes if which < 0 else self._gpu_bytes[which]
+            v = self._windows[which, size] = np.ndarray((len(b) - size + 1,), f"V{size}", b, 0, (1,))
+        return v
+
+    def _gather(self, plan: Plan) -> None:
+        """Copy a plan's byte ranges as one fancy-index copy per tensor and
+        range size (a plan lists one tensor's ranges together; sizes are
+        nearly always all equal)."""
+        tidx, goff, poff, size = plan.tensor_idx, plan.gpu_offset, plan.pool_offset, plan.size
+        cuts = [0, *(np.flatnonzero(tidx[1:] != tidx[:-1]) + 1).tolist(), len(size)]
+        for a, b in zip(cuts[:-1], cuts[1:]):
+            t, g, p, s = int(tidx[a]), goff[a:b], poff[a:b], size[a:b]
+            first = int(s[0])
+            by_size = [(first, slice(None))] if (s == first).all() else [(int(x), s == x) for x in np.unique(s)]
+            for n, pick in by_size:
+                gv, pv = self._window(t, n), self._window(-1, n)
+                if plan.direction == STORE:
+                    pv[p[pick]] = gv[g[pick]]
+                else:
+                    gv[g[pick]] = pv[p[pick]]
+
+
+def _bytes_at(t: torch.Tensor) -> np.ndarray:
+    """The bytes of t's storage from t's first element on, as uint8."""
+    flat = torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
+    return flat[t.storage_offset() * t.element_size():]
