@@ -18,6 +18,7 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
   scan            a hot set of chat sessions cut by one long scan of never-reused blocks
   oneshot         many short one-shot prompts (shared 4-block preamble) among chat sessions
   systail         one shared system prompt, a long tail of users with 1-3 turns each
+  scan-tune, oneshot-tune   the same kinds, other seeds and sizes (tuning data for segchain)
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --fractions 0.01 --policies lru chain
 """
@@ -82,22 +83,22 @@ def _interleave(rng, sessions: list[list[list[bytes]]], gap: float = 40.0) -> li
     return [(p, []) for _, _, p in events]
 
 
-def scan() -> list[Req]:
-    rng, ids = np.random.default_rng(11), _Ids()
-    reqs = _interleave(rng, _sessions(rng, ids, 1500))
+def scan(seed: int = 11, sessions: int = 1500, scan_reqs: int = 400) -> list[Req]:
+    rng, ids = np.random.default_rng(seed), _Ids()
+    reqs = _interleave(rng, _sessions(rng, ids, sessions))
     cut = len(reqs) // 2
-    long_scan = [(ids.take(64), []) for _ in range(400)]  # 25,600 blocks read once, 64 per request
+    long_scan = [(ids.take(64), []) for _ in range(scan_reqs)]  # read once, 64 blocks per request
     return reqs[:cut] + long_scan + reqs[cut:]
 
 
-def oneshot() -> list[Req]:
-    rng, ids = np.random.default_rng(12), _Ids()
+def oneshot(seed: int = 12, sessions: int = 800, per: int = 3) -> list[Req]:
+    rng, ids = np.random.default_rng(seed), _Ids()
     pre = ids.take(4)
-    reqs = _interleave(rng, _sessions(rng, ids, 800))
+    reqs = _interleave(rng, _sessions(rng, ids, sessions))
     out: list[Req] = []
     for r in reqs:
         out.append(r)
-        for _ in range(3):
+        for _ in range(per):
             out.append((pre + ids.take(int(rng.integers(1, 12))), []))
     return out
 
@@ -109,7 +110,8 @@ def systail() -> list[Req]:
 
 
 WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "agentic-all-s0", "agentic-all-s600",
-             "chat-tune", "chat-judge", "mooncake", "scan", "oneshot", "systail"]
+             "chat-tune", "chat-judge", "mooncake", "scan", "oneshot", "systail",
+             "scan-tune", "oneshot-tune"]
 
 
 def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
@@ -121,7 +123,9 @@ def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
                                 "output_length": 1, "hash_ids": ids}) + "\n")
 
 
-GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail}
+GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail,
+             # tuning variants for segchain (other seeds and sizes than the judge rows)
+             "scan-tune": lambda: scan(21, 1000, 250), "oneshot-tune": lambda: oneshot(22, 600, 2)}
 
 
 def replay_args(name: str, out_dir: Path) -> list[str]:
@@ -146,7 +150,7 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
     return [str(path)]
 
 
-TUNE = ("agentic-tune", "chat-tune")
+TUNE = ("agentic-tune", "chat-tune", "scan-tune", "oneshot-tune")
 
 
 def table(out_dir: Path, workloads: list[str], candidate: str = "chain") -> str:

@@ -18,7 +18,7 @@ from kvoffload.abstractions import ReqContext
 from kvoffload.policies import get_policy_class
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 
-NEW_POLICIES = ["s3fifo", "sieve", "prefix", "chain"]
+NEW_POLICIES = ["s3fifo", "sieve", "prefix", "chain", "segchain"]
 KEYS = [i.to_bytes(8, "big") + b"\0\0\0\0" for i in range(16)]
 
 op = st.one_of(

@@ -42,5 +42,9 @@ register_policy("sieve", SIEVEPolicy)
 register_policy("prefix", PrefixAwarePolicy)
 register_policy("chain", ChainPolicy)
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy", "S3FIFOPolicy", "SIEVEPolicy", "PrefixAwarePolicy", "ChainPolicy",
+from kvoffload.policies.segchain import SegChainPolicy  # noqa: E402
+
+register_policy("segchain", SegChainPolicy)
+
+__all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy", "S3FIFOPolicy", "SIEVEPolicy", "PrefixAwarePolicy", "ChainPolicy", "SegChainPolicy",
            "register_policy", "get_policy_class", "policy_names"]
