@@ -54,6 +54,7 @@ class _Req:
 
 class ChainPolicy(EvictionPolicy):
     name = "chain"
+    f_max = F_MAX
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
@@ -126,7 +127,7 @@ class ChainPolicy(EvictionPolicy):
             self.f = max(0.0, self.f - F_STEP)
         elif first_miss in self._evicted:  # evicting it cost this hit
             del self._evicted[first_miss]
-            self.f = min(F_MAX, self.f + F_STEP)
+            self.f = min(self.f_max, self.f + F_STEP)
 
     def _count_victims(self, need: int, can_evict: Callable[[bytes], bool]) -> int:
         threshold, own = self._threshold, self._own or ()
