@@ -1,4 +1,4 @@
-"""Hypothesis state machine: the CPU manager with the `chain` policy.
+"""Hypothesis state machine: the CPU manager with the `chain` (and `segchain`) policy.
 
 `chain` may store only a head of a store's new keys (its admission), so the
 verdicts differ from LRU's; the manager contract must hold all the same:
@@ -28,9 +28,11 @@ picks = st.integers(0, 1000)
 
 
 class ChainMachine(RuleBasedStateMachine):
+    policy = "chain"
+
     def __init__(self):
         super().__init__()
-        self.m = CPUOffloadingManager(CAPACITY, "chain")
+        self.m = CPUOffloadingManager(CAPACITY, self.policy)
         self.state: dict[bytes, str] = {}  # key -> "pending" | "ready"
         self.pins: Counter[bytes] = Counter()
         self.stores: list[list[bytes]] = []
@@ -159,3 +161,12 @@ class ChainMachine(RuleBasedStateMachine):
 TestChainManager = ChainMachine.TestCase
 TestChainManager.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
                                      suppress_health_check=[HealthCheck.too_slow])
+
+
+class SegChainMachine(ChainMachine):
+    """`segchain` (chain with unshielded loose blocks) under the same contract."""
+    policy = "segchain"
+
+
+TestSegChainManager = SegChainMachine.TestCase
+TestSegChainManager.settings = TestChainManager.settings

@@ -1,0 +1,75 @@
+"""The `segchain` policy: chain's rules, but blocks of a new chain are loose
+(unshielded) until their first hit."""
+
+from kvoffload.policies.segchain import SegChainPolicy
+from kvoffload.tiers.cpu.manager import CPUOffloadingManager
+
+from tests.policies.test_chain import keys, turn
+
+
+def test_a_context_larger_than_the_cache_keeps_its_head():
+    m = CPUOffloadingManager(10, "segchain")
+    hits = [turn(m, keys(0, 12 + 4 * t)) for t in range(6)]
+    assert hits == [0] + [10] * 5
+
+
+def test_a_conversation_back_after_a_scan_evicts_the_scan_not_its_own_head():
+    """chain shields the scan's fresh blocks (used once, recently): the
+    conversation coming back may not evict them and its new blocks are
+    refused. In segchain the scan's blocks are loose and go first."""
+    got = {}
+    for policy in ("chain", "segchain"):
+        m = CPUOffloadingManager(24, policy)
+        for _ in range(4):
+            turn(m, keys(0, 8))  # a live conversation, reused every request
+        for s in range(1, 5):
+            turn(m, keys(100 + s, 4))  # a scan: new chains read once
+        turn(m, keys(0, 8) + keys(1, 12))  # it comes back with 12 new blocks
+        got[policy] = sum(k in m for k in keys(1, 12))
+        assert all(k in m for k in keys(0, 8))
+    assert got["segchain"] == 12
+    assert got["chain"] < 12
+
+
+def test_a_hit_moves_a_loose_block_under_the_shield():
+    m = CPUOffloadingManager(8, "segchain")
+    turn(m, keys(0, 4))  # a new chain: loose
+    pol = m.policy
+    assert isinstance(pol, SegChainPolicy)
+    assert all(k in pol._loose for k in keys(0, 4))
+    turn(m, keys(0, 6))  # its next turn hits them
+    assert not any(k in pol._loose for k in keys(0, 4))
+    assert all(k in pol._order for k in keys(0, 4))
+    assert all(k in pol._order for k in keys(0, 6)[4:])  # stored by a continuing chain: shielded
+
+
+def test_f_never_rises_above_one():
+    pol = SegChainPolicy(4)
+    for i in range(40):
+        k = i.to_bytes(12, "big")
+        pol._evicted[k] = None
+        pol._learn(k)  # evictions that cost hits raise f: up to 1 only
+    assert pol.f == 1.0
+
+
+def test_without_a_context_it_evicts_like_lru():
+    victims = {}
+    for policy in ("lru", "segchain"):
+        m = CPUOffloadingManager(4, policy)
+        for i in range(6):
+            k = keys(i, 1)
+            out = m.prepare_store(k, None)
+            m.complete_store(out.keys_to_store, None)
+            if i == 3:
+                m.touch(keys(0, 1), None)
+        victims[policy] = sorted(k for i in range(6) for k in keys(i, 1) if k not in m)
+    assert victims["segchain"] == victims["lru"]
+
+
+def test_low_retention_blocks_go_first():
+    m = CPUOffloadingManager(8, "segchain")
+    turn(m, keys(0, 4))
+    turn(m, keys(1, 4), params={"kv_retention": "low"})
+    turn(m, keys(2, 4))
+    assert all(k in m for k in keys(0, 4)) and all(k in m for k in keys(2, 4))
+    assert not any(k in m for k in keys(1, 4))
