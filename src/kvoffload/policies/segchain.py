@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
+from itertools import chain
 
 from kvoffload.abstractions import ReqContext
 from kvoffload.policies.chain import _COLD, ChainPolicy, _Req
@@ -73,16 +74,31 @@ class SegChainPolicy(ChainPolicy):
         while len(victims) < n:
             if m is not None and m[1] >= threshold:
                 m = None  # the rest of chain's order is shielded
-            if lo is not None and (m is None or lo[1] < m[1]):
+            if m is None or lo is None:
+                break
+            if lo[1] < m[1]:
                 k = lo[0]
                 lo = next(loose, None)
-            elif m is not None:
+            else:
                 k = m[0]
                 m = next(main, None)
-            else:
-                break
             if k not in own and can_evict(k):
                 victims.append(k)
+        # one order left: a plain walk (the common case, e.g. no loose blocks)
+        if lo is not None and len(victims) < n:
+            for k, _ in chain((lo,), loose):
+                if k not in own and can_evict(k):
+                    victims.append(k)
+                    if len(victims) == n:
+                        break
+        elif m is not None and len(victims) < n:
+            for k, last in chain((m,), main):
+                if last >= threshold:
+                    break
+                if k not in own and can_evict(k):
+                    victims.append(k)
+                    if len(victims) == n:
+                        break
         return victims
 
     def _count_victims(self, need: int, can_evict: Callable[[bytes], bool]) -> int:
