@@ -20,7 +20,7 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
   systail         one shared system prompt, a long tail of users with 1-3 turns each
   scan-tune, oneshot-tune   the same kinds, other seeds and sizes (tuning data for segchain)
 
-    .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --fractions 0.01 --policies lru chain
+    .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
 
 from __future__ import annotations
