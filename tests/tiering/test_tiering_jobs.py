@@ -35,17 +35,16 @@ class _LateReports:
         self.inner.shutdown()
 
 
-def test_queries_apply_no_completions(rig):
+def test_an_idle_engine_s_queries_apply_finished_jobs(rig):
+    """No step comes once no request is left (vLLM 0.32 never asks
+    has_pending_work): get_stats alone must count a cascade that landed."""
     r = rig()
     ctx = r.request()
     r.gpu_store([key(0)], ctx)  # cascades: a job in flight
-    r.mgr.wait_idle()  # (applies it)
-    r.gpu_store([key(1)], ctx)
-    r.storage.get_worker(r.pool).wait(r.mgr.jobs.ids_of_tier(0))  # finished, not yet applied
-    assert r.mgr.has_pending_work()
-    assert r.mgr.get_stats().children[1].gauges["queue_depth"] == 1
-    assert r.mgr.has_pending_work()
-    r.mgr.on_schedule_end(END)  # the engine's next step applies it
+    r.storage.get_worker(r.pool).wait(r.mgr.jobs.ids_of_tier(0))  # finished, not applied yet
+    s = r.mgr.get_stats().children[1]
+    assert s.counters["cascaded_blocks"] == 1 and s.gauges["queue_depth"] == 0
+    assert r.cpu.get_stats().gauges["pinned_blocks"] == 0  # the CPU copy is unpinned
     assert not r.mgr.has_pending_work()
 
 
@@ -56,8 +55,7 @@ def test_a_cascade_reported_after_a_reset_completes_on_its_tier_only(rig):
     r.gpu_store([key(0), key(1)], ctx)  # cascades to storage: a job in flight
     r.mgr.reset_cache()  # waits for it; the worker reports it only at the next poll
     r.mgr.on_reset_flushed()
-    assert r.mgr.has_pending_work()  # the job is still ours until reported
-    r.mgr.on_schedule_end(END)  # the late report: the CPU tier forgot its keys at the reset
+    r.mgr.on_schedule_end(END)  # the late report (the CPU tier forgot its keys at the reset): no error
     r.settle()
     assert not r.mgr.has_pending_work()
     assert r.mgr.get_stats().children[1].gauges["queue_depth"] == 0

@@ -17,7 +17,7 @@ def test_stores_cascade_to_storage_and_unpin_cpu(rig):
     ctx = r.request()
     keys = [key(i) for i in range(3)]
     r.gpu_store(keys, ctx)
-    assert r.mgr.has_pending_work()
+    assert len(list(r.mgr.jobs)) == 1  # one cascade job (whether it landed yet is thread timing)
     r.settle()
     assert not r.mgr.has_pending_work()
     sm = r.storage.get_manager()

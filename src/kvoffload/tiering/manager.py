@@ -12,8 +12,8 @@ Stores:  GPU -> CPU (the engine's jobs), then, once a chunk is readable in
 Lookups: a CPU miss asks the secondary tiers (promotion.py).
 
 Completions of our own jobs (jobs.py) are applied in on_schedule_end() and
-wait_idle() (so reset_cache() and shutdown()); queries (has_pending_work,
-get_stats) apply none: an engine keeps stepping while there is pending work.
+wait_idle() (so reset_cache() and shutdown()), and by the two queries an
+idle engine still makes (_apply_finished_on_query).
 """
 
 from __future__ import annotations
@@ -281,9 +281,16 @@ class TieringManager(OffloadingManager):
         for t in self.tiers:
             t.manager.on_schedule_end(context)
 
+    def _apply_finished_on_query(self) -> None:
+        """has_pending_work() and get_stats() apply finished jobs too: an
+        engine stops stepping (no on_schedule_end) once no request is left,
+        and vLLM 0.32 never asks has_pending_work, so a cascade landing after
+        the last step would otherwise never be applied (its CPU copy never
+        unpinned) nor counted; get_stats() is then the only call it makes."""
+        self.poll()
+
     def has_pending_work(self) -> bool:
-        # Applies nothing: jobs a worker finished stay pending until the
-        # engine's next step (on_schedule_end), which pending work asks for.
+        self._apply_finished_on_query()
         return bool(self.jobs or self.promotions) or self.primary.has_pending_work() or any(
             t.manager.has_pending_work() for t in self.tiers)
 
@@ -306,6 +313,7 @@ class TieringManager(OffloadingManager):
         return events
 
     def get_stats(self) -> OffloadingStats:
+        self._apply_finished_on_query()
         children = [self.primary.get_stats()]
         for t in self.tiers:
             s = t.manager.get_stats() or OffloadingStats(tier=t.name, medium=t.medium, locality=t.locality)
