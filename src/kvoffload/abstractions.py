@@ -159,6 +159,10 @@ class ReqContext:
     def set_owned(self, owner: object, val: Any) -> None:
         self._state[owner] = val
 
+    def pop_owned(self, owner: object) -> Any:
+        """Remove and return the state kept under `owner` (None if none)."""
+        return self._state.pop(owner, None)
+
 
 class LookupResult(Enum):
     MISS = auto()  # not held by any allowed tier

@@ -75,15 +75,16 @@ class ChainPolicy(EvictionPolicy):
         if ctx is None:
             self._threshold, self._own = float("inf"), None
             return len(keys)
-        req = ctx._state.get(self)
+        req = ctx.get_owned(self)
         if req is None:
-            req = ctx._state[self] = self._start(keys, ctx)
+            req = self._start(keys, ctx)
+            ctx.set_owned(self, req)
         if req.cut:
             return 0
         if not req.seen:
             req.seen = True
             self._learn(keys[0])
-        self._threshold, self._own = req.threshold, ctx._offload_key_positions
+        self._threshold, self._own = req.threshold, ctx.offload_key_positions()
         need = len(keys) - free
         if need <= 0:
             return len(keys)
@@ -103,7 +104,7 @@ class ChainPolicy(EvictionPolicy):
         """A request's first store: its prefix's last use sets its threshold."""
         self._clock += 1
         now = self._clock
-        positions = ctx._offload_key_positions
+        positions = ctx.offload_key_positions()
         first = positions.get(keys[0])
         prev = None
         if first is not None:
@@ -162,7 +163,7 @@ class ChainPolicy(EvictionPolicy):
         self._rank(keys, ctx)
 
     def _rank(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        req = ctx._state.get(self) if ctx is not None else None
+        req = ctx.get_owned(self) if ctx is not None else None
         if req is None:
             self._clock += 1
         now = self._clock

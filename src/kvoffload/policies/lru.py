@@ -69,15 +69,15 @@ class LRUPolicy(EvictionPolicy):
         self._order: OrderedDict[bytes, _Group | None] = OrderedDict()  # oldest first
 
     def _group(self, ctx: ReqContext) -> _Group:
-        state = ctx._state  # ReqContext's scratch dict, read directly (hot path)
-        group = state.get(self)
+        group = ctx.get_owned(self)
         if group is None:
-            group = state[self] = _Group(ctx._offload_key_positions)
+            group = _Group(ctx.offload_key_positions())
+            ctx.set_owned(self, group)
         return group
 
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         group = None
-        if ctx is not None and keys and keys[-1] in ctx._offload_key_positions:
+        if ctx is not None and keys and keys[-1] in ctx.offload_key_positions():
             group = self._group(ctx)
             group.add(keys)
         # Reversed: the tail lands older than the head, so it goes first.
@@ -96,7 +96,7 @@ class LRUPolicy(EvictionPolicy):
         # A running request loaded these (prefix order): they rank with its
         # group from now on (newest end), as vLLM 0.33 ranks a request's
         # reads provisionally; its on_request_finished commits the use.
-        if ctx is None or not keys or keys[-1] not in ctx._offload_key_positions:
+        if ctx is None or not keys or keys[-1] not in ctx.offload_key_positions():
             return
         group = self._group(ctx)
         if not group.live:
@@ -125,7 +125,7 @@ class LRUPolicy(EvictionPolicy):
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         # The manager re-ranks a finished request's stores: its group dies.
         if ctx is not None:
-            group = ctx._state.pop(self, None)
+            group = ctx.pop_owned(self)
             if group is not None:
                 group.live = False
                 group.keys = []

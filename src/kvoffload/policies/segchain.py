@@ -42,7 +42,7 @@ class SegChainPolicy(ChainPolicy):
         orders; a request without a resident prefix stores loose blocks."""
         self._clock += 1
         now = self._clock
-        positions = ctx._offload_key_positions
+        positions = ctx.offload_key_positions()
         first = positions.get(keys[0])
         prev = None
         if first is not None:
@@ -107,7 +107,7 @@ class SegChainPolicy(ChainPolicy):
     # ---- the EvictionPolicy contract -------------------------------------
 
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        req = ctx._state.get(self) if ctx is not None else None
+        req = ctx.get_owned(self) if ctx is not None else None
         dest = self._loose if req is not None and req.loose else self._order
         now = self._clock
         for k in reversed(keys):  # the tail lands older than the head
@@ -142,7 +142,7 @@ class SegChainPolicy(ChainPolicy):
                     move(k)
 
     def _tick(self, ctx: ReqContext | None) -> int:
-        if ctx is None or ctx._state.get(self) is None:
+        if ctx is None or ctx.get_owned(self) is None:
             self._clock += 1
         return self._clock
 

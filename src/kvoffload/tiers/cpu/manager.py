@@ -49,7 +49,20 @@ from kvoffload.policies.base import access_of, admission_of
 from kvoffload.requests import low_retention, prefix_order
 
 PENDING = -1
-_FINISHED = (None,)  # request record after on_request_finished (no prepare order kept): record nothing more
+
+
+class _Request:
+    """What the manager remembers of one running request, on its context."""
+
+    __slots__ = ("reused", "stored", "read_back", "prepare_order", "unsorted", "finished")
+
+    def __init__(self) -> None:
+        self.reused: list[bytes] = []  # keys it loaded, in load order
+        self.stored: list[bytes] = []  # keys it stored, each batch head first
+        self.read_back = False  # loaded after storing: may read back its own stores
+        self.prepare_order: dict | None = None  # key -> prepare_store index (no key positions)
+        self.unsorted = False  # a batch landed ranked before the previous one
+        self.finished = False  # after on_request_finished: record nothing more
 _HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 
 
@@ -123,32 +136,28 @@ class CPUOffloadingManager(OffloadingManager):
         self._allocation_failures = self._dropped = 0
         self._bad_hints = 0
 
-    def _record(self, ctx: ReqContext | None) -> list | None:
-        """This request's [reused keys, stored keys, loaded after storing,
-        prepare order (key -> index; only for a request without key
-        positions), stored batches out of order], kept on its context under
-        this manager (several managers may share one context). After
-        on_request_finished the record is a tuple (prepare order,): None
-        here, nothing more is recorded."""
+    def _record(self, ctx: ReqContext | None) -> _Request | None:
+        """This request's record, kept on its context under this manager
+        (several managers may share one context); None once finished (a late
+        complete_store then still finds the prepare order through _rank)."""
         if ctx is None:
             return None
-        rec = ctx._state.get(self)  # _state: ReqContext's scratch dict, read directly (hot path)
+        rec = ctx.get_owned(self)
         if rec is None:
-            rec = ctx._state[self] = [[], [], False, None, False]
-        return None if type(rec) is tuple else rec
+            rec = _Request()
+            ctx.set_owned(self, rec)
+        return None if rec.finished else rec
 
     def _rank(self, ctx: ReqContext | None) -> dict | None:
         """What orders this request's keys head first: its end-token
         positions, else its recorded prepare_store order, else nothing."""
         if ctx is None:
             return None
-        positions = ctx._offload_key_positions  # read directly: hot path
+        positions = ctx.offload_key_positions()
         if positions:
             return positions
-        rec = ctx._state.get(self)
-        if rec is None:
-            return None
-        return rec[3] if type(rec) is list else rec[0]
+        rec = ctx.get_owned(self)
+        return None if rec is None else rec.prepare_order
 
     # ---- the spec a worker reads --------------------------------------------
 
@@ -200,9 +209,9 @@ class CPUOffloadingManager(OffloadingManager):
             state[s] = v + 1
         self._num_pinned += newly_pinned
         if rec is not None:
-            rec[0].extend(keys)
-            if rec[1]:
-                rec[2] = True  # may read back its own stores
+            rec.reused.extend(keys)
+            if rec.stored:
+                rec.read_back = True
             if self._access is not None and not low_retention(req_context):  # running: rank with its keys
                 self._access(keys if type(keys) is list else prefix_order(list(keys), req_context), req_context)
         return self._make_spec(slots)
@@ -304,12 +313,12 @@ class CPUOffloadingManager(OffloadingManager):
         for s in slots:
             state[s] = PENDING
         self._num_pending += len(new)
-        if req_context is not None and not req_context._offload_key_positions:
+        if req_context is not None and not req_context.offload_key_positions():
             rec = self._record(req_context)
             if rec is not None:
-                order = rec[3]
+                order = rec.prepare_order
                 if order is None:
-                    order = rec[3] = {}
+                    order = rec.prepare_order = {}
                 n = len(order)
                 order.update(zip(new, range(n, n + len(new))))
         return PrepareStoreOutput(keys_to_store=new, store_spec=self._make_spec(slots), evicted_keys=evicted)
@@ -349,8 +358,7 @@ class CPUOffloadingManager(OffloadingManager):
         if success:
             for s in slots:
                 state[s] = 0
-            # positions read directly (hot path); without them, the prepare order
-            rank = None if req_context is None else (req_context._offload_key_positions or self._rank(req_context))
+            rank = self._rank(req_context)  # key positions, else the prepare order
             ordered = pending if rank is None or len(pending) < 2 else _sort_by(pending, rank)
             if low_retention(req_context):
                 self.policy.insert_cold(ordered, req_context)
@@ -358,11 +366,11 @@ class CPUOffloadingManager(OffloadingManager):
                 self.policy.insert(ordered, req_context)
             rec = self._record(req_context)
             if rec is not None:
-                stored = rec[1]
-                if stored and rank is not None and not rec[4]:
+                stored = rec.stored
+                if stored and rank is not None and not rec.unsorted:
                     # a batch ranked before the last one: on_request_finished must sort
                     get = rank.get
-                    rec[4] = get(ordered[0], _NO_POSITION) < get(stored[-1], _NO_POSITION)
+                    rec.unsorted = get(ordered[0], _NO_POSITION) < get(stored[-1], _NO_POSITION)
                 stored.extend(ordered)
             self._stored += len(pending)
             if self._events is not None:
@@ -390,16 +398,14 @@ class CPUOffloadingManager(OffloadingManager):
         """Commit the request's recency: stored keys re-ranked (no use
         counted), then reused keys touched, each head most recent, so the
         request ends newest-first from its head. Keys gone since are skipped."""
-        state = req_context._state
-        rec = state.get(self)
-        if rec is None or type(rec) is tuple:
-            state[self] = _FINISHED
+        rec = self._record(req_context)
+        if rec is None:  # finished already
             return
-        # a late complete_store still needs the prepare order
-        state[self] = _FINISHED if rec[3] is None else (rec[3],)
+        rec.finished = True  # kept for its prepare order: a late complete_store ranks by it
+        reused, stored, read_back, unsorted = rec.reused, rec.stored, rec.read_back, rec.unsorted
+        rec.reused = rec.stored = []
         if low_retention(req_context):
             return
-        reused, stored, read_back, _, unsorted = rec
         if read_back:
             # Reading back what this request stored (a cascade to a lower
             # tier, a promotion) is an internal transfer, not a reuse.
