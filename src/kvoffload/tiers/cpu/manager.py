@@ -9,16 +9,10 @@ plus a dict key -> slot and a free list of slots. No per-block objects.
 A key enters the eviction policy when its store completes, so the policy
 only ever sees readable keys; pending writes can never be picked.
 
-Recency is per request, as in vLLM 0.33 (whose scheduler never calls
-touch): the keys a request loaded (reused) and stored are recorded on its
-ReqContext and re-ranked once in on_request_finished, head most recent, so a
-request's tail is evicted before its head even when its stores arrived in
-several batches. "Head first" is by the keys' end-token positions on the
-context; a request without positions is ranked in its prepare_store order
-(recorded then: complete_store gets a set), as vLLM 0.33 does. touch()
-still works for callers that use it.
-
-The per-request helpers (prefix order, retention) are kvoffload.requests'.
+Recency is per request (tiers/cpu/request_record.py): what a request
+loaded and stored is ranked once, when it finishes. touch() still works for
+callers that use it. The per-request helpers (prefix order, retention) are
+kvoffload.requests'.
 """
 
 from __future__ import annotations
@@ -43,26 +37,15 @@ from kvoffload.abstractions import (
 )
 from kvoffload.config import ConfigError
 from kvoffload.hints import COUNTER as BAD_HINTS
-from kvoffload.keys import GROUP_BYTES, check_key
+from kvoffload.keys import check_key, check_keys
 from kvoffload.policies import get_policy_class
 from kvoffload.policies.base import access_of, admission_of
 from kvoffload.requests import low_retention, prefix_order
+from kvoffload.tiers.cpu.request_record import finish_request, rank_of, record_of, sort_by
+from kvoffload.tiers.cpu.reset_fence import drop_all_keys
 
-PENDING = -1
+PENDING = -1  # a slot's state while being written (see above)
 
-
-class _Request:
-    """What the manager remembers of one running request, on its context."""
-
-    __slots__ = ("reused", "stored", "read_back", "prepare_order", "unsorted", "finished")
-
-    def __init__(self) -> None:
-        self.reused: list[bytes] = []  # keys it loaded, in load order
-        self.stored: list[bytes] = []  # keys it stored, each batch head first
-        self.read_back = False  # loaded after storing: may read back its own stores
-        self.prepare_order: dict | None = None  # key -> prepare_store index (no key positions)
-        self.unsorted = False  # a batch landed ranked before the previous one
-        self.finished = False  # after on_request_finished: record nothing more
 _HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 
 
@@ -72,30 +55,6 @@ class BlockStateError(KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return str(self.args[0]) if self.args else ""
-
-
-def _check_keys(keys: Collection[object]) -> None:
-    """Raise check_key's clear error for the first malformed key. Fast when
-    all are fine: only C-level passes over the keys."""
-    if len(keys) < 8:  # a plain loop beats building sets for a few keys
-        for k in keys:
-            if type(k) is not bytes or len(k) <= GROUP_BYTES:
-                check_key(k)
-    elif set(map(type, keys)) != {bytes} or min(map(len, keys)) <= GROUP_BYTES:
-        for k in keys:
-            check_key(k)
-
-
-_NO_POSITION = float("inf")
-
-
-def _sort_by(keys: list[bytes], rank: dict[bytes, int]) -> list[bytes]:
-    """keys by rank (positions or prepare order); unranked keys last, in given order."""
-    try:
-        return sorted(keys, key=rank.__getitem__)
-    except KeyError:
-        get = rank.get
-        return sorted(keys, key=lambda k: get(k, _NO_POSITION))
 
 
 class CPUOffloadingManager(OffloadingManager):
@@ -136,29 +95,6 @@ class CPUOffloadingManager(OffloadingManager):
         self._allocation_failures = self._dropped = 0
         self._bad_hints = 0
 
-    def _record(self, ctx: ReqContext | None) -> _Request | None:
-        """This request's record, kept on its context under this manager
-        (several managers may share one context); None once finished (a late
-        complete_store then still finds the prepare order through _rank)."""
-        if ctx is None:
-            return None
-        rec = ctx.get_owned(self)
-        if rec is None:
-            rec = _Request()
-            ctx.set_owned(self, rec)
-        return None if rec.finished else rec
-
-    def _rank(self, ctx: ReqContext | None) -> dict | None:
-        """What orders this request's keys head first: its end-token
-        positions, else its recorded prepare_store order, else nothing."""
-        if ctx is None:
-            return None
-        positions = ctx.offload_key_positions()
-        if positions:
-            return positions
-        rec = ctx.get_owned(self)
-        return None if rec is None else rec.prepare_order
-
     # ---- the spec a worker reads --------------------------------------------
 
     def _make_spec(self, slot_ids: list[int]) -> LoadStoreSpec:
@@ -167,11 +103,11 @@ class CPUOffloadingManager(OffloadingManager):
     # ---- lookups and loads --------------------------------------------------
 
     # Validation costs nothing on the hot path: only keys that pass
-    # _check_keys are ever stored, so a key found in _slot_of is well formed,
+    # check_keys are ever stored, so a key found in _slot_of is well formed,
     # and a key that is not found is checked before the error is raised.
 
     def _not_held(self, keys: Collection[object], what: str) -> BlockStateError:
-        _check_keys(keys if isinstance(keys, (list, tuple)) else list(keys))  # TypeError first
+        check_keys(keys if isinstance(keys, (list, tuple)) else list(keys))  # TypeError first
         missing = next(k for k in keys if k not in self._slot_of)
         return BlockStateError(f"{self.name}: {what} of key {missing!r} that is not stored")
 
@@ -195,7 +131,7 @@ class CPUOffloadingManager(OffloadingManager):
             slots = [slot_of[k] for k in keys]
         except (KeyError, TypeError):
             raise self._not_held(keys, "prepare_load") from None
-        rec = self._record(req_context)  # before pinning: a bad context raises with nothing changed
+        rec = record_of(req_context, self)  # before pinning: a bad context raises with nothing changed
         newly_pinned = 0
         for i, s in enumerate(slots):
             v = state[s]
@@ -209,9 +145,7 @@ class CPUOffloadingManager(OffloadingManager):
             state[s] = v + 1
         self._num_pinned += newly_pinned
         if rec is not None:
-            rec.reused.extend(keys)
-            if rec.stored:
-                rec.read_back = True
+            rec.note_loaded(keys)
             if self._access is not None and not low_retention(req_context):  # running: rank with its keys
                 self._access(keys if type(keys) is list else prefix_order(list(keys), req_context), req_context)
         return self._make_spec(slots)
@@ -219,7 +153,7 @@ class CPUOffloadingManager(OffloadingManager):
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         keys = keys if type(keys) is list else list(keys)
         if keys and set(map(type, keys)) != {bytes}:
-            _check_keys(keys)
+            check_keys(keys)
         if low_retention(req_context):
             return
         self.policy.touch(prefix_order(keys, req_context), req_context)
@@ -272,10 +206,10 @@ class CPUOffloadingManager(OffloadingManager):
         try:
             new = [k for k in keys if k not in slot_of]
         except TypeError:  # unhashable
-            _check_keys(list(keys))
+            check_keys(list(keys))
             raise
         if new:
-            _check_keys(new)
+            check_keys(new)
             if len(new) > 1:
                 new = list(dict.fromkeys(new))  # a key listed twice gets one slot
         free = self._free
@@ -314,13 +248,9 @@ class CPUOffloadingManager(OffloadingManager):
             state[s] = PENDING
         self._num_pending += len(new)
         if req_context is not None and not req_context.offload_key_positions():
-            rec = self._record(req_context)
+            rec = record_of(req_context, self)
             if rec is not None:
-                order = rec.prepare_order
-                if order is None:
-                    order = rec.prepare_order = {}
-                n = len(order)
-                order.update(zip(new, range(n, n + len(new))))
+                rec.note_prepared(new)
         return PrepareStoreOutput(keys_to_store=new, store_spec=self._make_spec(slots), evicted_keys=evicted)
 
     def complete_store(
@@ -335,7 +265,7 @@ class CPUOffloadingManager(OffloadingManager):
         try:
             slots = [slot_of[k] for k in keys]
         except (KeyError, TypeError):
-            _check_keys(list(keys))
+            check_keys(list(keys))
             missing = next(k for k in keys if k not in slot_of)
             raise BlockStateError(f"{self.name}: complete_store of key {missing!r} that was never prepared") from None
         values = [state[s] for s in slots]
@@ -358,20 +288,15 @@ class CPUOffloadingManager(OffloadingManager):
         if success:
             for s in slots:
                 state[s] = 0
-            rank = self._rank(req_context)  # key positions, else the prepare order
-            ordered = pending if rank is None or len(pending) < 2 else _sort_by(pending, rank)
+            rank = rank_of(req_context, self)  # key positions, else the prepare order
+            ordered = pending if rank is None or len(pending) < 2 else sort_by(pending, rank)
             if low_retention(req_context):
                 self.policy.insert_cold(ordered, req_context)
             else:
                 self.policy.insert(ordered, req_context)
-            rec = self._record(req_context)
+            rec = record_of(req_context, self)
             if rec is not None:
-                stored = rec.stored
-                if stored and rank is not None and not rec.unsorted:
-                    # a batch ranked before the last one: on_request_finished must sort
-                    get = rank.get
-                    rec.unsorted = get(ordered[0], _NO_POSITION) < get(stored[-1], _NO_POSITION)
-                stored.extend(ordered)
+                rec.note_stored(ordered, rank)
             self._stored += len(pending)
             if self._events is not None:
                 self._events.append(OffloadingEvent(pending, self.medium, False, self.locality))
@@ -395,28 +320,8 @@ class CPUOffloadingManager(OffloadingManager):
         return RequestOffloadingContext()
 
     def on_request_finished(self, req_context: ReqContext) -> None:
-        """Commit the request's recency: stored keys re-ranked (no use
-        counted), then reused keys touched, each head most recent, so the
-        request ends newest-first from its head. Keys gone since are skipped."""
-        rec = self._record(req_context)
-        if rec is None:  # finished already
-            return
-        rec.finished = True  # kept for its prepare order: a late complete_store ranks by it
-        reused, stored, read_back, unsorted = rec.reused, rec.stored, rec.read_back, rec.unsorted
-        rec.reused = rec.stored = []
-        if low_retention(req_context):
-            return
-        if read_back:
-            # Reading back what this request stored (a cascade to a lower
-            # tier, a promotion) is an internal transfer, not a reuse.
-            own = set(stored)
-            reused = [k for k in reused if k not in own]
-        if stored:  # sorted per batch already; batches may have landed out of order
-            if unsorted:
-                stored = _sort_by(stored, self._rank(req_context))
-            self.policy.refresh(stored, req_context)
-        if reused:  # loads come in prefix order (the scheduler's lookup order)
-            self.policy.touch(reused, req_context)
+        """Commit the request's recency (request_record.finish_request)."""
+        finish_request(req_context, self, self.policy)
 
     def take_events(self) -> Iterable[OffloadingEvent]:
         if not self._events:
@@ -430,28 +335,9 @@ class CPUOffloadingManager(OffloadingManager):
         return [e for e in events if e.keys]
 
     def reset_cache(self) -> None:
-        """Drop every key and the policy's history (ARC ghosts and target).
-
-        vLLM's contract: the loads and stores in flight at a reset are never
-        completed (complete_load/complete_store will not come for them), and
-        on_reset_flushed() is called once the workers have finished every one
-        of them. So their keys are forgotten now (a dropped store is never
-        readable: its bytes may never land), and their slots are fenced: held
-        out of the free list until on_reset_flushed(), since a worker may
-        still read or write them. Readable, unpinned slots are free at once.
-        """
-        state, free, fenced = self._state, self._free, self._fenced
-        removed = []
-        for k, s in self._slot_of.items():
-            v = state[s]
-            if v == 0:
-                free.append(s)
-            else:
-                fenced.append(s)
-                state[s] = 0
-            if v >= 0:  # announced stored: announce its removal
-                removed.append(k)
-        self._slot_of.clear()
+        """Drop every key and the policy's history (ARC ghosts and target);
+        slots of jobs in flight are fenced until on_reset_flushed (reset_fence.py)."""
+        removed = drop_all_keys(self._slot_of, self._state, self._free, self._fenced)
         self._num_pinned = self._num_pending = 0
         self.policy = type(self.policy)(self.num_chunks)
         self._admit = admission_of(self.policy)
