@@ -32,6 +32,23 @@ class ChunkGeometry:
         return align_up(self.chunk_bytes)
 
 
+class ResolvedGeometry:
+    """Where a spec's ChunkGeometry lands once a source knows it. The spec's
+    manager holds the same one and reads the chunk size from it (for its
+    *_bytes counters): the manager may exist before the size is known
+    (num_cpu_chunks declared, the size measured by a later worker)."""
+
+    __slots__ = ("geometry",)
+
+    def __init__(self) -> None:
+        self.geometry: ChunkGeometry | None = None
+
+    @property
+    def chunk_bytes(self) -> int:
+        """KV bytes of one chunk; 0 while unknown."""
+        return 0 if self.geometry is None else self.geometry.chunk_bytes
+
+
 def declared_chunk_bytes(extra: dict[str, Any], tokens_per_chunk: int) -> int | None:
     """KV bytes per chunk from extra_config, if it says."""
     if "kv_bytes_per_chunk" in extra and "kv_bytes_per_token" in extra:

@@ -4,6 +4,7 @@ import pytest
 
 from kvoffload.abstractions import LookupResult, ReqContext
 from kvoffload.config import ConfigError
+from kvoffload.geometry import ChunkGeometry, ResolvedGeometry
 from kvoffload.keys import make_offload_key
 from kvoffload.tiers.cpu.manager import BlockStateError, CPUOffloadingManager
 
@@ -251,8 +252,10 @@ def test_resets_before_a_flush_fence_cumulatively():
 
 
 def test_stats_are_deltas_and_gauges_current():
-    m = CPUOffloadingManager(4)
-    m.chunk_bytes = 100
+    resolved = ResolvedGeometry()
+    m = CPUOffloadingManager(4, geometry=resolved)
+    assert m.chunk_bytes == 0  # unknown yet: byte counters count 0
+    resolved.geometry = ChunkGeometry(tokens_per_chunk=16, chunk_bytes=100, num_chunks=4)
     store(m, keys(1, 2))
     m.lookup(K(1), None)
     m.lookup(K(9), None)

@@ -36,6 +36,7 @@ from kvoffload.abstractions import (
     RequestOffloadingContext,
 )
 from kvoffload.config import ConfigError
+from kvoffload.geometry import ResolvedGeometry
 from kvoffload.hints import COUNTER as BAD_HINTS
 from kvoffload.keys import check_key, check_keys
 from kvoffload.policies import get_policy_class
@@ -66,6 +67,7 @@ class CPUOffloadingManager(OffloadingManager):
         name: str = "cpu",
         medium: Medium = Medium.CPU,
         locality: Locality = Locality.LOCAL,
+        geometry: ResolvedGeometry | None = None,
     ):
         if isinstance(num_chunks, bool) or not isinstance(num_chunks, int) or num_chunks <= 0:
             raise ConfigError(f"num_chunks must be a positive integer, got {num_chunks!r}")
@@ -76,8 +78,8 @@ class CPUOffloadingManager(OffloadingManager):
         self.policy = get_policy_class(policy)(num_chunks)
         self._admit = admission_of(self.policy)
         self._access = access_of(self.policy)
-        # Bytes per chunk, for the *_bytes counters; set by the spec (0: unknown).
-        self.chunk_bytes = 0
+        # The chunk size, for the *_bytes counters, once the spec resolves it (none: 0).
+        self._geometry = geometry
         self._slot_of: dict[bytes, int] = {}
         self._state: list[int] = [0] * num_chunks
         self._free: list[int] = list(range(num_chunks - 1, -1, -1))  # pop() gives slot 0 first
@@ -388,6 +390,11 @@ class CPUOffloadingManager(OffloadingManager):
                                counters=counters, gauges=gauges)
 
     # ---- introspection (tests, tiers built on this one) ---------------------
+
+    @property
+    def chunk_bytes(self) -> int:
+        """KV bytes of one chunk, once known (0 until then)."""
+        return 0 if self._geometry is None else self._geometry.chunk_bytes
 
     def __len__(self) -> int:
         """Keys held, pending writes included."""

@@ -23,7 +23,8 @@ ConfigError on a mismatch (the pool would not hold what the manager counts).
 Without any of them, get_worker() must come first (one process): the size
 is then taken from the KV caches, or, with shared_pool_path, from the pool
 file the workers made (a manager in another process reads its header).
-The result is one ChunkGeometry (kvoffload.geometry), resolved once.
+The result is one ChunkGeometry (kvoffload.geometry), resolved once into
+a ResolvedGeometry the manager shares (it may be built before the size is known).
 
 A model with a KV group of a kind we cannot offload (config groups[].kind
 "mamba", "ssm", "indexer", ...) is refused at construction with
@@ -47,6 +48,7 @@ from kvoffload.config import (
 )
 from kvoffload.geometry import (
     ChunkGeometry,
+    ResolvedGeometry,
     check_measured,
     check_pool_file,
     chunks_in,
@@ -93,7 +95,7 @@ class CPUOffloadingSpec(OffloadingSpec):
         else:
             raise ConfigError("CPU offloading needs extra_config cpu_bytes_to_use (or num_cpu_chunks)")
         # None until a source knows both the chunk size and the count (geometry.py)
-        self.geometry: ChunkGeometry | None = None
+        self._resolved = ResolvedGeometry()  # shared with the manager
         if declared_bytes is not None:  # with either count key: resolved now
             self._resolve(declared_bytes, self._declared_chunks)
         tp_size = positive_int(extra.get("tp_size", 1), "tp_size")
@@ -113,6 +115,10 @@ class CPUOffloadingSpec(OffloadingSpec):
         self._check_memory(self.kv_bytes_per_chunk if path is None else None, pool=path is None)
 
     @property
+    def geometry(self) -> ChunkGeometry | None:
+        return self._resolved.geometry
+
+    @property
     def num_chunks(self) -> int | None:
         """Chunk slots in the CPU tier, once known (num_cpu_chunks, or the geometry)."""
         return self.geometry.num_chunks if self.geometry is not None else self._declared_chunks
@@ -126,7 +132,7 @@ class CPUOffloadingSpec(OffloadingSpec):
         """The geometry, once: the count is cpu_bytes_to_use's slots unless given."""
         if num_chunks is None:
             num_chunks = chunks_in(self.cpu_bytes_to_use, chunk_bytes)
-        self.geometry = ChunkGeometry(self.config.tokens_per_chunk, chunk_bytes, num_chunks)
+        self._resolved.geometry = ChunkGeometry(self.config.tokens_per_chunk, chunk_bytes, num_chunks)
 
     @property
     def worker(self):
@@ -176,9 +182,8 @@ class CPUOffloadingSpec(OffloadingSpec):
             self._check_memory(None, pool=False)  # the manager's slots (a pool's geometry may be new)
             self._manager = CPUOffloadingManager(
                 self.num_chunks, policy=self.eviction_policy,
-                enable_events=self.kv_events_config.enable_kv_cache_events,
+                enable_events=self.kv_events_config.enable_kv_cache_events, geometry=self._resolved,
             )
-            self._manager.chunk_bytes = self.kv_bytes_per_chunk or 0
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches):
@@ -190,8 +195,6 @@ class CPUOffloadingSpec(OffloadingSpec):
             self._resolve(chunk_bytes, self.num_chunks)
         # Only the process that makes a shared pool's file allocates it.
         self._check_memory(chunk_bytes, pool=self.shared_pool_path is None or self.parallel.tp_rank == 0)
-        if self._manager is not None:
-            self._manager.chunk_bytes = chunk_bytes
         pool = self._shared_pool(kv_caches, chunk_bytes) if self.shared_pool_path is not None else None
         try:
             self._worker = CPUOffloadingWorker(kv_caches, self.config, self.num_chunks, pool=pool)
