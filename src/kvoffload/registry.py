@@ -41,12 +41,15 @@ class Registry:
         self._table: dict[str, str | type] = dict(entries or {})
 
     def register(self, name: str, target: str | type) -> None:
-        if isinstance(target, type):
-            target = f"{target.__module__}:{target.__qualname__}"
+        # A class is kept as is: it is imported already, and one defined in a
+        # function or in __main__ has no "module:Class" path to import back.
         self._table[name] = target
 
     def names(self) -> list[str]:
         return sorted(self._table)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._table
 
     def get(self, name: object) -> type:
         """A registered name or a "module:Class" / "module.Class" path;

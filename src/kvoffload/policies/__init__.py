@@ -3,27 +3,27 @@ EvictionPolicy subclass."""
 
 from __future__ import annotations
 
-from kvoffload.registry import load_class
 from kvoffload.policies.base import EvictionPolicy
+from kvoffload.registry import Registry
 
-_POLICIES: dict[str, type[EvictionPolicy]] = {}
+POLICIES = Registry(EvictionPolicy, "eviction policy", "policies")
 
 
 def register_policy(name: str, cls: type[EvictionPolicy]) -> None:
     if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
         raise TypeError(f"policy {name!r}: {cls!r} is not an EvictionPolicy subclass")
-    _POLICIES[name] = cls
+    POLICIES.register(name, cls)
 
 
 def policy_names() -> list[str]:
-    return sorted(_POLICIES)
+    return POLICIES.names()
 
 
 def get_policy_class(name: str) -> type[EvictionPolicy]:
     """A registered name (any case), or "module:Class" (also "module.Class")."""
-    if isinstance(name, str) and name.lower() in _POLICIES:
+    if isinstance(name, str) and name.lower() in POLICIES:
         name = name.lower()
-    return load_class(name, _POLICIES, EvictionPolicy, "eviction policy", "policies")
+    return POLICIES.get(name)
 
 
 from kvoffload.policies.arc import ARCPolicy  # noqa: E402
