@@ -32,19 +32,30 @@ def find_benchmark_binary() -> str | None:
     return shutil.which("redis-benchmark") or shutil.which("valkey-benchmark")
 
 
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(highest: int = 65535) -> int:
     """A port free on loopback now. Cluster nodes also use port+10000, so
-    they ask for one <= 55535."""
-    for _ in range(1000):
+    they ask for one <= 55535: both ports are then drawn below Linux's
+    ephemeral range (32768+), where outgoing connections cannot take the
+    bus port between this check and the server's bind."""
+    if highest == 65535:
         with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", 0 if highest == 65535 else random.randint(20000, highest)))
-            except OSError:  # taken: try another
-                continue
-            port = s.getsockname()[1]
-        if port <= highest:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    top = min(highest, 22767)
+    for _ in range(1000):
+        port = random.randint(12000, top)
+        if _bindable(port) and _bindable(port + 10000):
             return port
-    raise RuntimeError(f"no free loopback port <= {highest}")
+    raise RuntimeError(f"no free loopback port pair <= {top}")
 
 
 class LocalServer:
@@ -59,7 +70,9 @@ class LocalServer:
                 "no redis-server or valkey-server binary found: install Debian's redis-server "
                 "(scripts/setup.sh does) or set KVOFFLOAD_REDIS_SERVER")
         cluster = "--cluster-enabled" in extra_args
-        self.port = port or free_port(55535 if cluster else 65535)
+        self._highest = 55535 if cluster else 65535
+        self._auto_port = port is None  # until the first start: a restart keeps its port
+        self.port = port or free_port(self._highest)
         self.password = password
         self.maxmemory = maxmemory
         self.extra_args = tuple(extra_args)
@@ -90,6 +103,22 @@ class LocalServer:
         return a + list(self.extra_args)
 
     def start(self, timeout_s: float = 10.0) -> LocalServer:
+        for _ in range(4):
+            try:
+                self._start(timeout_s)
+                self._auto_port = False
+                return self
+            except RuntimeError as e:
+                # A port we picked was taken between the check and the bind: pick again.
+                if not (self._auto_port and "Address already in use" in str(e)):
+                    raise
+                self.port = free_port(self._highest)
+        self._start(timeout_s)
+        self._auto_port = False
+        return self
+
+    def _start(self, timeout_s: float) -> LocalServer:
+        Path(self.dir, "server.log").unlink(missing_ok=True)  # its tail is this attempt's story
         self.proc = subprocess.Popen(self.args(), stdin=subprocess.DEVNULL,
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password,

@@ -1,0 +1,50 @@
+"""The test servers' port choice: a port taken between the check and the
+server's bind is picked again; a restart keeps its port."""
+
+import socket
+
+import pytest
+
+from kvoffload.tiers.remote import server as server_mod
+from kvoffload.tiers.remote.server import LocalServer, find_server_binary, free_port
+
+pytestmark = pytest.mark.skipif(find_server_binary() is None, reason="no redis-server")
+
+
+def test_a_port_taken_before_the_bind_is_picked_again(monkeypatch):
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    taken = squatter.getsockname()[1]
+    picks = iter([taken])
+    monkeypatch.setattr(server_mod, "free_port", lambda highest=65535: next(picks, None) or free_port(highest))
+    srv = LocalServer()
+    assert srv.port == taken
+    try:
+        srv.start()
+        assert srv.port != taken
+        port = srv.port
+        srv.kill()
+        srv.start()  # a restart keeps its port (the outage tests rely on it)
+        assert srv.port == port
+    finally:
+        srv.kill()
+        squatter.close()
+
+
+def test_an_explicit_port_that_is_taken_fails_in_one_error():
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    srv = LocalServer(port=squatter.getsockname()[1])
+    try:
+        with pytest.raises(RuntimeError, match="did not start"):
+            srv.start(timeout_s=5)
+    finally:
+        squatter.close()
+
+
+def test_cluster_ports_leave_room_for_the_bus_port_below_the_ephemeral_range():
+    for _ in range(20):
+        port = free_port(55535)
+        assert port + 10000 < 32768
