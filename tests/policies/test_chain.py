@@ -1,5 +1,7 @@
 """The `chain` policy's rules, through the CPU manager (as vLLM drives it)."""
 
+import pytest
+
 from kvoffload.abstractions import LookupResult, ReqContext
 from kvoffload.keys import make_offload_key
 from kvoffload.policies.chain import F_STEP, ChainPolicy
@@ -101,9 +103,10 @@ def test_f_learns_from_what_each_side_gave_up():
     assert pol.f == f
 
 
-def test_without_a_context_it_evicts_like_lru():
+@pytest.mark.parametrize("name", ["chain", "segchain"])
+def test_without_a_context_it_evicts_like_lru(name):
     victims = {}
-    for policy in ("lru", "chain"):
+    for policy in ("lru", name):
         m = CPUOffloadingManager(4, policy)
         for i in range(6):
             k = keys(i, 1)
@@ -112,11 +115,12 @@ def test_without_a_context_it_evicts_like_lru():
             if i == 3:
                 m.touch(keys(0, 1), None)
         victims[policy] = sorted(k for i in range(6) for k in keys(i, 1) if k not in m)
-    assert victims["chain"] == victims["lru"]
+    assert victims[name] == victims["lru"]
 
 
-def test_low_retention_blocks_go_first():
-    m = CPUOffloadingManager(8, "chain")
+@pytest.mark.parametrize("name", ["chain", "segchain"])
+def test_low_retention_blocks_go_first(name):
+    m = CPUOffloadingManager(8, name)
     turn(m, keys(0, 4))
     turn(m, keys(1, 4), params={"kv_retention": "low"})
     turn(m, keys(2, 4))

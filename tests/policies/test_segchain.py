@@ -50,26 +50,3 @@ def test_f_never_rises_above_one():
         pol._evicted[k] = None
         pol._learn(k)  # evictions that cost hits raise f: up to 1 only
     assert pol.f == 1.0
-
-
-def test_without_a_context_it_evicts_like_lru():
-    victims = {}
-    for policy in ("lru", "segchain"):
-        m = CPUOffloadingManager(4, policy)
-        for i in range(6):
-            k = keys(i, 1)
-            out = m.prepare_store(k, None)
-            m.complete_store(out.keys_to_store, None)
-            if i == 3:
-                m.touch(keys(0, 1), None)
-        victims[policy] = sorted(k for i in range(6) for k in keys(i, 1) if k not in m)
-    assert victims["segchain"] == victims["lru"]
-
-
-def test_low_retention_blocks_go_first():
-    m = CPUOffloadingManager(8, "segchain")
-    turn(m, keys(0, 4))
-    turn(m, keys(1, 4), params={"kv_retention": "low"})
-    turn(m, keys(2, 4))
-    assert all(k in m for k in keys(0, 4)) and all(k in m for k in keys(2, 4))
-    assert not any(k in m for k in keys(1, 4))

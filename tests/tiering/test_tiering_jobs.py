@@ -6,33 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvoffload.abstractions import ReqContext
-from tiering_rig import END, HIT, PENDING, key, pattern
-
-
-class _LateReports:
-    """A tier worker that reports each finished job one get_finished() call
-    late: a fault a real worker shows only under a race (its copy thread
-    finishes the job inside wait() but queues the report after the next poll)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self._held = []
-
-    def submit_store(self, job_id, src, dst):
-        return self.inner.submit_store(job_id, src, dst)
-
-    def submit_load(self, job_id, src, dst):
-        return self.inner.submit_load(job_id, src, dst)
-
-    def get_finished(self):
-        out, self._held = self._held, list(self.inner.get_finished())
-        return out
-
-    def wait(self, job_ids):
-        self.inner.wait(job_ids)
-
-    def shutdown(self):
-        self.inner.shutdown()
+from tiering_rig import END, HIT, PENDING, LateReports, key, pattern
 
 
 def test_an_idle_engine_s_queries_apply_finished_jobs(rig):
@@ -50,7 +24,7 @@ def test_an_idle_engine_s_queries_apply_finished_jobs(rig):
 
 def test_a_cascade_reported_after_a_reset_completes_on_its_tier_only(rig):
     r = rig()
-    r.mgr.attach_workers([_LateReports(r.storage.get_worker(r.pool))])
+    r.mgr.attach_workers([LateReports(r.storage.get_worker(r.pool))])
     ctx = r.request()
     r.gpu_store([key(0), key(1)], ctx)  # cascades to storage: a job in flight
     r.mgr.reset_cache()  # waits for it; the worker reports it only at the next poll
@@ -76,7 +50,7 @@ def test_a_promotion_reported_after_a_reset_is_a_miss_and_finishes_its_request(r
     for i in range(4):  # keys 0, 1 leave CPU, stay in storage
         r.gpu_store([key(i)], ctx)
         r.settle()
-    r.mgr.attach_workers([_LateReports(r.storage.get_worker(r.pool))])
+    r.mgr.attach_workers([LateReports(r.storage.get_worker(r.pool))])
     want = r.request("w")
     assert r.mgr.lookup(key(0), want) is PENDING
     r.mgr.on_schedule_end(END)  # the promotion job is submitted

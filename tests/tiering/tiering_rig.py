@@ -59,3 +59,35 @@ class Rig:
     def close(self):
         self.mgr.shutdown()
         self.pool.close()
+
+
+class LateReports:
+    """A tier worker reporting each finished job one get_finished() call late
+    while `late` is set: a race a real worker shows rarely (its copy thread
+    finishes a job inside wait() and queues the report after the next poll),
+    so a reset may see a waited job reported only after it."""
+
+    def __init__(self, inner, late: bool = True):
+        self.inner = inner
+        self.late = late
+        self._held = []
+
+    def submit_store(self, job_id, src, dst):
+        return self.inner.submit_store(job_id, src, dst)
+
+    def submit_load(self, job_id, src, dst):
+        return self.inner.submit_load(job_id, src, dst)
+
+    def get_finished(self):
+        now = list(self.inner.get_finished())
+        if self.late:
+            out, self._held = self._held, now
+            return out
+        out, self._held = self._held + now, []
+        return out
+
+    def wait(self, job_ids):
+        self.inner.wait(job_ids)
+
+    def shutdown(self):
+        self.inner.shutdown()
