@@ -55,8 +55,15 @@ class _Group:
             self.in_order = True
         return self.keys[::-1]
 
+    def _head_first(self) -> list[bytes]:
+        if self.in_order:
+            return self.keys
+        get = self.positions.get
+        return sorted(self.keys, key=lambda k: get(k, _NO_POSITION))
+
     def __eq__(self, other: object) -> bool:  # same state (tests compare policy states)
-        return isinstance(other, _Group) and (self.keys, self.live) == (other.keys, other.live)
+        # tail_first() sorts lazily, in place: an unsorted group equals its sorted self
+        return isinstance(other, _Group) and (self._head_first(), self.live) == (other._head_first(), other.live)
 
     __hash__ = object.__hash__  # sets of groups: by identity
 
