@@ -71,9 +71,14 @@ class _HeaderBuffers:
     def __init__(self, store, n: int):
         self.free: queue.SimpleQueue = queue.SimpleQueue()
         self._all = []
-        for _ in range(2):
-            hb = _HeaderBuffer(store, n)
-            self._all.append(hb)
+        try:
+            for _ in range(2):
+                self._all.append(_HeaderBuffer(store, n))
+        except RuntimeError:
+            for hb in self._all:
+                hb.close()
+            raise
+        for hb in self._all:
             self.free.put(hb)
 
     def close(self) -> None:
@@ -102,6 +107,16 @@ class MooncakeTierWorker(RemoteTierWorker):
         if rc != 0:
             raise RuntimeError(f"mooncake: cannot register the {pool.nbytes}-byte host pool (code {rc})")
         self._per_round = max(1, cfg.batch_bytes // max(1, pool.used_chunk_bytes))
+        # registered now, while the master is known to answer: registering needs it, and an IO
+        # thread must not find it gone when it first moves a job
+        self._header_sets: queue.SimpleQueue = queue.SimpleQueue()
+        try:
+            for _ in range(cfg.io_threads):
+                self._header_sets.put(_HeaderBuffers(store, self._per_round))
+        except RuntimeError:
+            self._close_spare_headers()
+            store.unregister_buffer(self._base)
+            raise
         self._replicate = replicate_config(cfg)
         self._checks: queue.SimpleQueue = queue.SimpleQueue()
         self._parts_lock = threading.Lock()
@@ -114,7 +129,17 @@ class MooncakeTierWorker(RemoteTierWorker):
         self._checks.put(None)  # after the IO threads: nothing more gets queued
         self._checker.join(timeout=10)
         if not any(t.is_alive() for t in (*self._threads, self._checker)):  # one stuck in a call may still use it
+            self._close_spare_headers()
             self._client.unregister_buffer(self._base)
+
+    def _close_spare_headers(self) -> None:
+        # the sets no IO thread took (each thread closes its own when it ends)
+        while not self._header_sets.empty():
+            self._header_sets.get_nowait().close()
+
+    def _headers(self, conns: dict) -> _HeaderBuffers:
+        """This IO thread's header buffers (one registered set per thread, taken on first use)."""
+        return conns.get("headers") or conns.setdefault("headers", self._header_sets.get_nowait())
 
     # -- loads: transfer on the IO thread, check on the checker thread ---
     def _move(self, conns: dict, job: _Job, slots: list[int], spec) -> None:
@@ -125,12 +150,7 @@ class MooncakeTierWorker(RemoteTierWorker):
         if not backoff.available():
             c.add("load_failures", len(slots))
             return self._part_done(job, len(slots), False)
-        try:
-            hbs = conns.get("headers") or conns.setdefault("headers", _HeaderBuffers(self._client, self._per_round))
-        except Exception:  # noqa: BLE001 - e.g. registration refused: fail the job, keep the thread
-            log.exception("mooncake load job %d failed", job.job_id)
-            c.add("load_failures", len(slots))
-            return self._part_done(job, len(slots), False)
+        hbs = self._headers(conns)
         n = self._per_round
         starts = range(0, len(slots), n)
         part = _Part(job, len(slots), len(starts))
@@ -182,7 +202,7 @@ class MooncakeTierWorker(RemoteTierWorker):
         if not backoff.available():
             c.add("store_failures", len(slots))
             return False
-        hbs = conns.get("headers") or conns.setdefault("headers", _HeaderBuffers(self._client, self._per_round))
+        hbs = self._headers(conns)
         hb = hbs.free.get()
         try:
             ok, n = True, self._per_round

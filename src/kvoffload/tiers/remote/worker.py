@@ -171,6 +171,7 @@ class RemoteTierWorker(TierWorker):
             ok = self._transfer(conns, job.is_store, slots, spec)
         except Exception:  # noqa: BLE001 - a bug here must fail the job, not kill the thread
             log.exception("remote %s job %d failed", "store" if job.is_store else "load", job.job_id)
+            self._state.counters.add("store_failures" if job.is_store else "load_failures", len(slots))
         self._part_done(job, len(slots), ok)
 
     def _part_done(self, job: _Job, n_slots: int, ok: bool) -> None:
