@@ -35,6 +35,7 @@
    of the Mooncake client's own batch_put_from / batch_get_into of the same
    values from / into the same registered slots, in the same run and with
    the same values per call; beside the Redis tier's rates from part 1.
+   How it is measured: benchmarks/mooncake_bandwidth.py.
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from kvoffload.tiers.remote import RemoteTier
 from kvoffload.tiers.remote.server import LocalServer, find_benchmark_binary
 from kvoffload.replay.traces import shared_trace_path
 from kvoffload.tiers.remote.value import RemoteLoadStoreSpec
+from mooncake_bandwidth import mooncake_bandwidth, print_mooncake
 
 TRACE = shared_trace_path()
 
@@ -299,102 +301,6 @@ def print_mac_cost(rows: list[dict], pipeline: int, repeats: int) -> None:
         for suffix, name in (("_mac", "blake2b"), ("_b3", "blake3"))[: 2 if b3 else 1]:
             print(f"| {kib} | {name} | {r['store' + suffix]:.2f} | {r['store' + suffix] / r['store']:.2f} "
                   f"| {r['load' + suffix]:.2f} | {r['load' + suffix] / r['load']:.2f} | {r[name]:.2f} |")
-
-
-# ---- 4. the Mooncake tier ---------------------------------------------------------------------
-
-def mooncake_reference(store, pool: HostPool, n: int, batch: int, callers: int = 1) -> dict[str, float]:
-    """GB/s of the Mooncake client's own batched zero-copy calls on the same
-    registered slots: batch_put_from, then batch_get_into (no header, no
-    check), the batches shared out over `callers` threads calling at once
-    (as our io_threads do)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    base, cb, size = pool.tensor.data_ptr(), pool.chunk_bytes, pool.used_chunk_bytes
-    keys = [f"ref{time.monotonic_ns()}:{i}" for i in range(n)]
-    batches = [range(a, min(n, a + batch)) for a in range(0, n, batch)]
-    res = {}
-    for name in ("put", "get"):
-        def call(idx, name=name):
-            args = ([keys[i] for i in idx], [base + i * cb for i in idx], [size] * len(idx))
-            codes = store.batch_put_from(*args) if name == "put" else store.batch_get_into(*args)
-            assert all(c == (0 if name == "put" else size) for c in codes), f"mooncake {name}: {set(codes)}"
-
-        with ThreadPoolExecutor(callers) as ex:
-            t0 = time.perf_counter()
-            list(ex.map(call, batches))
-            res[name] = n * size / (time.perf_counter() - t0) / 1e9
-    return res
-
-
-def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int,
-                       io_threads: int | None = None) -> list[dict]:
-    from mooncake.store import MooncakeDistributedStore
-    from tqdm import tqdm
-
-    from kvoffload.tiers.mooncake import MooncakeTier
-    from kvoffload.tiers.mooncake.server import LocalMooncake
-
-    rows = []
-    with LocalMooncake(store_bytes=max(1 << 30, 3 * total)) as srv:
-        print(f"mooncake: master {srv.master_address}, store node lending {max(1 << 30, 3 * total) >> 20} MiB")
-        ref = MooncakeDistributedStore()  # a plain client, set up as our tier sets its own up
-        assert ref.setup("127.0.0.1", srv.metadata_server, 0, 16 << 20, "tcp", "", srv.master_address) == 0
-        bar = tqdm(total=len(sizes) * repeats, desc="mooncake bandwidth", unit="run")
-        for size in sizes:
-            n = max(batch, total // size)
-            pool = HostPool(n, size)
-            pool.array[:] = np.random.default_rng(size).integers(0, 256, pool.array.shape, dtype=np.uint8)
-            before = pool.array.copy()
-            assert ref.register_buffer(pool.tensor.data_ptr(), pool.nbytes) == 0
-            ns = Namespace(model="bench", chunk_bytes=pool.used_chunk_bytes)
-            tier = MooncakeTier(srv.tier_config(key_prefix=f"bench{time.monotonic_ns()}", segment_bytes=0,
-                                                batch_bytes=batch * size,
-                                                **({"io_threads": io_threads} if io_threads else {})), ns)
-            callers = tier.config.io_threads
-            # one untimed round each first: both clients' connections to the store node are then open
-            mooncake_reference(ref, pool, batch, batch, callers)
-            drive(tier, pool, batch, batch, shutdown=False)
-            ref.remove_all(True)
-            runs = {"mc_put": [], "mc_get": [], "store": [], "load": [], "one_load": []}
-            for rep in range(repeats):  # alternate the order, so drift in the machine hits both alike
-                for which in (("ref", "ours") if rep % 2 == 0 else ("ours", "ref")):
-                    if which == "ref":
-                        r = mooncake_reference(ref, pool, n, batch, callers)
-                    else:
-                        o = drive(tier, pool, n, batch, shutdown=False)
-                        assert np.array_equal(pool.array, before), "mooncake ours: loaded bytes differ"
-                        ref.remove_all(True)
-                        one = drive(tier, pool, n, batch, shutdown=False, load_chunks=n)
-                    assert np.array_equal(pool.array, before), f"mooncake {which}: loaded bytes differ"
-                    ref.remove_all(True)
-                for k, v in (("mc_put", r["put"]), ("mc_get", r["get"]), ("store", o["store"]),
-                             ("load", o["load"]), ("one_load", one["load"])):
-                    runs[k].append(v)
-                bar.update()
-            tier.shutdown()
-            ref.unregister_buffer(pool.tensor.data_ptr())
-            pool.close()
-            rows.append({"size": size, "n": n, "callers": callers,
-                         **{k: statistics.median(v) for k, v in runs.items()}})
-        bar.close()
-        ref.close()
-    return rows
-
-
-def print_mooncake(rows: list[dict], batch: int, redis_rows: list[dict] | None) -> None:
-    redis_by_size = {r["size"]: r for r in redis_rows or [] if r.get("c", 1) == 1}
-    print(f"\nMooncake tier, GB/s (median; values held by a store node over loopback TCP, {batch} values per "
-          f"batched call; the reference calls from as many threads as our io_threads)")
-    print("| value | threads | Mooncake batch_put_from | ours store | ratio | Mooncake batch_get_into | ours load "
-          "| ratio | ours one load job | ratio | Redis tier store / load |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        rr = redis_by_size.get(r["size"])
-        redis = f"{rr['store']:.2f} / {rr['load']:.2f}" if rr else "n/a"
-        print(f"| {r['size'] >> 10} KiB | {r['callers']} | {r['mc_put']:.2f} | {r['store']:.2f} "
-              f"| {r['store'] / r['mc_put']:.2f} | {r['mc_get']:.2f} | {r['load']:.2f} | {r['load'] / r['mc_get']:.2f} "
-              f"| {r['one_load']:.2f} | {r['one_load'] / r['mc_get']:.2f} | {redis} |")
 
 
 # ---- 2. two engines sharing the tier -------------------------------------------------------

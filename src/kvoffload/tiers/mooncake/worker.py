@@ -10,12 +10,18 @@ and the chunk in its slot. No chunk is copied in Python; a load is checked
 (header, checksum, key, MAC) before it is reported done, and a bad value
 is a counted miss, removed from the store so the next store rewrites it.
 
-Loads are checked behind the transfers: the IO thread hands a round's
-check (header, xxh3 over the payload, MAC) to one checker thread and goes
-on with its next batched call, which releases the GIL while the check
-(xxhash holds it) runs; the part is reported when its last round is
-checked. Each IO thread has two registered header buffers, so it waits
-only when both hold rounds still being checked.
+Hashing runs beside the transfers, never before or after them on the IO
+thread (the client's calls and xxhash's update both release the GIL):
+- stores: a header thread makes a store job's headers (xxh3 over each
+  payload, MAC) when it is submitted and only then queues it, so the IO
+  thread's put of one job overlaps the hashing of the next;
+- loads: the IO thread hands a round's check (header, xxh3, MAC) to one
+  checker thread and goes on with its next batched call; the part is
+  reported when its last round is checked. Each IO thread has two
+  registered header buffers, so it waits only when both hold rounds still
+  being checked. The check of a part's last round is what a load waits
+  for after its bytes arrived, so when no other load is queued to overlap
+  it, that round is split into halves down to TAIL_BYTES.
 """
 
 from __future__ import annotations
@@ -41,6 +47,11 @@ from kvoffload.tiers.remote.value import BAD_MAC, CORRUPT, ERROR, HEADER_BYTES, 
 from kvoffload.tiers.remote.worker import RemoteTierWorker, _Job
 
 log = logging.getLogger(__name__)
+
+# A load's last round is split until its check (xxh3, ~10 GB/s) is about
+# one batched call's fixed cost (~0.2-0.5 ms here): waiting on a longer
+# check costs more than another call.
+TAIL_BYTES = 4 << 20
 
 _DELETE = {CORRUPT: "checksum_failures", WRONG_KEY: "wrong_key_values", BAD_MAC: "mac_failures"}
 
@@ -122,13 +133,18 @@ class MooncakeTierWorker(RemoteTierWorker):
         self._parts_lock = threading.Lock()
         self._checker = threading.Thread(target=self._check_loads, name="kvoffload-mooncake-check", daemon=True)
         self._checker.start()
+        self._to_hash: queue.SimpleQueue = queue.SimpleQueue()
         super().__init__(pool, store, cfg, state, codec)
+        self._hasher = threading.Thread(target=self._hash_stores, name="kvoffload-mooncake-hash", daemon=True)
+        self._hasher.start()
 
     def shutdown(self) -> None:
+        self._to_hash.put(None)  # first: it hands the IO threads what it holds
+        self._hasher.join(timeout=10)
         super().shutdown()
         self._checks.put(None)  # after the IO threads: nothing more gets queued
         self._checker.join(timeout=10)
-        if not any(t.is_alive() for t in (*self._threads, self._checker)):  # one stuck in a call may still use it
+        if not any(t.is_alive() for t in (*self._threads, self._checker, self._hasher)):  # one stuck in a call may still use it
             self._close_spare_headers()
             self._client.unregister_buffer(self._base)
 
@@ -142,20 +158,22 @@ class MooncakeTierWorker(RemoteTierWorker):
         return conns.get("headers") or conns.setdefault("headers", self._header_sets.get_nowait())
 
     # -- loads: transfer on the IO thread, check on the checker thread ---
-    def _move(self, conns: dict, job: _Job, slots: list[int], spec) -> None:
-        if job.is_store or not slots:
-            return super()._move(conns, job, slots, spec)
+    def _move(self, conns: dict, job: _Job, slots: list[int], spec, headers: bytes | None = None) -> None:
+        # conns: this IO thread's own things (here its header buffers); closed when the thread ends
+        if not slots:
+            return self._part_done(job, 0, True)
+        if job.is_store:
+            return self._move_store(conns, job, slots, spec, headers)
         c = self._state.counters
         backoff = self._state.backoff
         if not backoff.available():
             c.add("load_failures", len(slots))
             return self._part_done(job, len(slots), False)
         hbs = self._headers(conns)
-        n = self._per_round
-        starts = range(0, len(slots), n)
-        part = _Part(job, len(slots), len(starts))
-        for r, i in enumerate(starts):
-            sl = slice(i, i + n)
+        rounds = self._rounds(len(slots), tail=not self._loads)  # a queued load would overlap the last check
+        part = _Part(job, len(slots), len(rounds))
+        for r, (i, j) in enumerate(rounds):
+            sl = slice(i, j)
             hb = hbs.free.get()  # waits while both buffers' rounds are being checked
             try:
                 codes = self._fetch(hb, slots[sl], spec.redis_keys[sl])
@@ -166,11 +184,25 @@ class MooncakeTierWorker(RemoteTierWorker):
                 hbs.free.put(hb)
                 backoff.failed()
                 c.add("load_failures", len(slots) - i)
-                self._rounds_done(part, len(starts) - r, False)
+                self._rounds_done(part, len(rounds) - r, False)
                 return None
             self._checks.put((part, hbs, hb, slots[sl], spec.redis_keys[sl], spec.keys[sl], codes))
         backoff.succeeded()
         return None
+
+    def _rounds(self, n: int, tail: bool) -> list[tuple[int, int]]:
+        """[a, b) runs of a load's n chunks, one batched call each; with tail, the
+        last is halved until its check is short (TAIL_BYTES)."""
+        per = self._per_round
+        rounds = [(a, min(n, a + per)) for a in range(0, n, per)]
+        if tail:
+            a, b = rounds.pop()
+            while b - a > 1 and (b - a) * self.payload_bytes > TAIL_BYTES:
+                mid = a + (b - a + 1) // 2
+                rounds.append((a, mid))
+                a = mid
+            rounds.append((a, b))
+        return rounds
 
     def _check_loads(self) -> None:
         while (item := self._checks.get()) is not None:
@@ -192,23 +224,57 @@ class MooncakeTierWorker(RemoteTierWorker):
         if done:
             self._part_done(part.job, part.n_slots, part.ok)
 
-    def _transfer(self, conns: dict, is_store: bool, slots: list[int], spec) -> bool:
-        """Stores (loads go through _move): each round put from a header buffer + the slots."""
-        # conns: this IO thread's own things (here its header buffers); closed when the thread ends
+    # -- stores: headers made on the header thread, put on the IO thread ---
+    def _enqueue(self, q, items: list) -> None:
+        if q is self._stores:  # via the header thread, which queues them when their headers are made
+            self._to_hash.put(items)
+        else:
+            super()._enqueue(q, items)
+
+    def _hash_stores(self) -> None:
+        while (items := self._to_hash.get()) is not None:
+            ready = []
+            for job, slots, spec in items:
+                headers = None  # the IO thread makes them (or fails the job) if this cannot
+                if self._state.backoff.available():  # else the IO thread fails it unhashed
+                    try:
+                        headers = self._headers_of(slots, spec.redis_keys)
+                    except Exception:  # noqa: BLE001 - a bug here must not kill the thread
+                        log.exception("mooncake store job %d: making headers failed", job.job_id)
+                ready.append((job, slots, spec, headers))
+            super()._enqueue(self._stores, ready)
+
+    def _headers_of(self, slots: list[int], keys: list[str]) -> bytes:
+        """The 48-byte headers of these slots' values, back to back."""
+        payload, codec, chunk = self.payload_bytes, self._codec, self.pool.chunk_memoryview
+        return b"".join([codec.header(k.encode(), chunk(s)[:payload]) for s, k in zip(slots, keys)])
+
+    def _move_store(self, conns: dict, job: _Job, slots: list[int], spec, headers: bytes | None) -> None:
+        ok = False
+        try:
+            ok = self._store(conns, slots, spec, headers)
+        except Exception:  # noqa: BLE001 - a bug here must fail the job, not kill the thread
+            log.exception("mooncake store job %d failed", job.job_id)
+            self._state.counters.add("store_failures", len(slots))
+        self._part_done(job, len(slots), ok)
+
+    def _store(self, conns: dict, slots: list[int], spec, headers: bytes | None) -> bool:
+        """Each round put from a header buffer + the slots."""
         c = self._state.counters
         backoff = self._state.backoff
-        if not slots:
-            return True
         if not backoff.available():
             c.add("store_failures", len(slots))
             return False
+        if headers is None:
+            headers = self._headers_of(slots, spec.redis_keys)
         hbs = self._headers(conns)
         hb = hbs.free.get()
+        hview = memoryview(headers)
         try:
             ok, n = True, self._per_round
             for i in range(0, len(slots), n):
                 part = slice(i, i + n)
-                good = self._put(hb, slots[part], spec.redis_keys[part])
+                good = self._put(hb, slots[part], spec.redis_keys[part], hview[i * HEADER_BYTES:])
                 if good is None:  # the master could not be asked: the rest would fail too
                     backoff.failed()
                     c.add("store_failures", len(slots) - i)
@@ -223,10 +289,9 @@ class MooncakeTierWorker(RemoteTierWorker):
         base, cb, haddr = self._base, self.pool.chunk_bytes, hb.addr
         return [[haddr + j * HEADER_BYTES, base + s * cb] for j, s in enumerate(slots)]
 
-    def _put(self, hb: _HeaderBuffer, slots: list[int], keys: list[str]) -> bool | None:
-        payload, codec, view, chunk = self.payload_bytes, self._codec, hb.view, self.pool.chunk_memoryview
-        for j, (s, k) in enumerate(zip(slots, keys)):
-            view[j * HEADER_BYTES : (j + 1) * HEADER_BYTES] = codec.header(k.encode(), chunk(s)[:payload])
+    def _put(self, hb: _HeaderBuffer, slots: list[int], keys: list[str], headers: memoryview) -> bool | None:
+        payload, nh = self.payload_bytes, len(keys) * HEADER_BYTES
+        hb.view[:nh] = headers[:nh]
         codes = self._client.batch_put_from_multi_buffers(
             keys, self._pointers(hb, slots), [[HEADER_BYTES, payload]] * len(keys), self._replicate)
         if any(network_failed(x) for x in codes):

@@ -1,0 +1,172 @@
+"""Part 4 of bench_remote.py: the Mooncake tier's bandwidth against the
+Mooncake client's own batched zero-copy calls, in the same run.
+
+A real mooncake_master and one mooncake_client store node on loopback hold
+the values (the tier and the reference lend no memory, so every value
+crosses loopback TCP to the node). Per value size, each repeat times, with
+fresh keys, in a rotating order so drift in the machine hits all alike:
+
+- puts: the client's own `batch_put_from` of the slots (the reference),
+  the same call shape with our value layout (`batch_put_from_multi_buffers`
+  of a 48-byte header from a registered buffer + the slot: what one of our
+  values costs the client, no hashing), and our worker's stores (jobs of
+  `batch` chunks, headers made and checksummed);
+- gets: `batch_get_into`, `batch_get_into_multi_buffers`, and our loads
+  (jobs of `batch` chunks, each value checked), then our load of all the
+  chunks as one job.
+
+Reference calls carry `batch` values each (as our rounds do: batch_bytes =
+batch x value size) and are shared out over as many threads as our
+io_threads, all calling at once. Ratios are the median over repeats of
+ours / reference within one repeat.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import statistics
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kvoffload.abstractions import CPULoadStoreSpec
+from kvoffload.tiers.base import Namespace
+from kvoffload.tiers.host_pool import HostPool
+from kvoffload.tiers.remote.value import HEADER_BYTES, RemoteLoadStoreSpec
+
+
+def reference(store, op: str, keys: list[str], pool: HostPool, batch: int, callers: int,
+              headers: int | None = None) -> float:
+    """GB/s of the client's own batched put (op "put") or get of len(keys)
+    slots; headers: address of a registered buffer, for the two-buffer calls
+    (value i's 48 bytes at headers + 48 i, then its slot)."""
+    base, cb, size, n = pool.tensor.data_ptr(), pool.chunk_bytes, pool.used_chunk_bytes, len(keys)
+    batches = [range(a, min(n, a + batch)) for a in range(0, n, batch)]
+    want = 0 if op == "put" else size + (HEADER_BYTES if headers else 0)
+
+    def call(idx):
+        ks = [keys[i] for i in idx]
+        if headers is None:
+            args = (ks, [base + i * cb for i in idx], [size] * len(idx))
+            codes = store.batch_put_from(*args) if op == "put" else store.batch_get_into(*args)
+        else:
+            args = (ks, [[headers + i * HEADER_BYTES, base + i * cb] for i in idx], [[HEADER_BYTES, size]] * len(idx))
+            codes = (store.batch_put_from_multi_buffers(*args) if op == "put"
+                     else store.batch_get_into_multi_buffers(*args))
+        assert all(c == want for c in codes), f"mooncake {op}: {set(codes)}"
+
+    with ThreadPoolExecutor(callers) as ex:
+        t0 = time.perf_counter()
+        list(ex.map(call, batches))
+        return n * size / (time.perf_counter() - t0) / 1e9
+
+
+def ours(worker, op: str, rkeys: list[str], keys: list[bytes], per_job: int) -> float:
+    """GB/s of our worker storing (op "put") or loading the first len(keys)
+    slots in jobs of per_job chunks, all submitted at once."""
+    n = len(keys)
+    jobs = [list(range(a, min(n, a + per_job))) for a in range(0, n, per_job)]
+    t0 = time.perf_counter()
+    for j, slots in enumerate(jobs):
+        spec = RemoteLoadStoreSpec([rkeys[s] for s in slots], [keys[s] for s in slots])
+        if op == "put":
+            assert worker.submit_store(j, CPULoadStoreSpec(slots), spec)
+        else:
+            assert worker.submit_load(j, spec, CPULoadStoreSpec(slots))
+    worker.wait(set(range(len(jobs))))
+    dt = time.perf_counter() - t0
+    done = worker.get_finished()
+    assert all(r.success for r in done), f"{op}: {sum(not r.success for r in done)} jobs failed"
+    return n * worker.payload_bytes / dt / 1e9
+
+
+def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int,
+                       io_threads: int | None = None) -> list[dict]:
+    from mooncake.store import MooncakeDistributedStore
+    from tqdm import tqdm
+
+    from kvoffload.tiers.mooncake import MooncakeTier
+    from kvoffload.tiers.mooncake.server import LocalMooncake
+
+    rows = []
+    store_bytes = max(1 << 30, 4 * total)  # three key sets of one repeat, and room
+    with LocalMooncake(store_bytes=store_bytes) as srv:
+        print(f"mooncake: master {srv.master_address}, store node lending {store_bytes >> 20} MiB")
+        ref = MooncakeDistributedStore()  # a plain client, set up as our tier sets its own up
+        assert ref.setup("127.0.0.1", srv.metadata_server, 0, 16 << 20, "tcp", "", srv.master_address) == 0
+        bar = tqdm(total=len(sizes) * repeats, desc="mooncake bandwidth", unit="run")
+        for size in sizes:
+            n = max(batch, total // size)
+            pool = HostPool(n, size)
+            pool.array[:] = np.random.default_rng(size).integers(0, 256, pool.array.shape, dtype=np.uint8)
+            before = pool.array.copy()
+            hmm = mmap.mmap(-1, max(n * HEADER_BYTES, mmap.PAGESIZE))
+            haddr = ctypes.addressof(ctypes.c_char.from_buffer(hmm))
+            assert ref.register_buffer(pool.tensor.data_ptr(), pool.nbytes) == 0
+            assert ref.register_buffer(haddr, len(hmm)) == 0
+            tier = MooncakeTier(srv.tier_config(key_prefix=f"bench{time.monotonic_ns()}", segment_bytes=0,
+                                                batch_bytes=batch * size,
+                                                **({"io_threads": io_threads} if io_threads else {})),
+                                Namespace(model="bench", chunk_bytes=size))
+            worker = tier.get_worker(pool)
+            callers = tier.config.io_threads
+            keys = [i.to_bytes(8, "big") + b"\0\0\0\0" for i in range(n)]
+            rkeys = tier.keyspace.redis_keys(keys)
+
+            def phases(m: int, rep: int) -> dict[str, float]:
+                tag = f"{rep}:{time.monotonic_ns()}"
+                k1, k2 = [f"ref{tag}:{i}" for i in range(m)], [f"ref2{tag}:{i}" for i in range(m)]
+                steps = {"put": {"mc_put": lambda: reference(ref, "put", k1, pool, batch, callers),
+                                 "mc_put2": lambda: reference(ref, "put", k2, pool, batch, callers, haddr),
+                                 "store": lambda: ours(worker, "put", rkeys[:m], keys[:m], batch)},
+                         "get": {"mc_get": lambda: reference(ref, "get", k1, pool, batch, callers),
+                                 "mc_get2": lambda: reference(ref, "get", k2, pool, batch, callers, haddr),
+                                 "load": lambda: ours(worker, "get", rkeys[:m], keys[:m], batch)}}
+                r = {}
+                for step in steps.values():
+                    names = list(step)
+                    names = names[rep % 3:] + names[: rep % 3]
+                    r.update({name: step[name]() for name in names})
+                r["one_load"] = ours(worker, "get", rkeys[:m], keys[:m], m)
+                assert np.array_equal(pool.array, before), "mooncake: loaded bytes differ"
+                ref.remove_all(True)
+                return r
+
+            phases(batch, 0)  # untimed: every client's connections to the store node are then open
+            runs = []
+            for rep in range(repeats):
+                runs.append(phases(n, rep))
+                bar.update()
+            tier.shutdown()
+            ref.unregister_buffer(haddr)
+            ref.unregister_buffer(pool.tensor.data_ptr())
+            pool.close()
+            row = {"size": size, "n": n, "callers": callers,
+                   **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+            for k, base in (("mc_put2", "mc_put"), ("store", "mc_put"), ("mc_get2", "mc_get"), ("load", "mc_get"),
+                            ("one_load", "mc_get")):
+                row[k + "_ratio"] = statistics.median(r[k] / r[base] for r in runs)
+            rows.append(row)
+        bar.close()
+        ref.close()
+    return rows
+
+
+def print_mooncake(rows: list[dict], batch: int, redis_rows: list[dict] | None) -> None:
+    redis_by_size = {r["size"]: r for r in redis_rows or [] if r.get("c", 1) == 1}
+    print(f"\nMooncake tier, GB/s (median; values held by a store node over loopback TCP, {batch} values per "
+          f"batched call; the reference calls from as many threads as our io_threads; ratios: median over "
+          f"repeats of ours / the client's own batch_put_from or batch_get_into in the same repeat; "
+          f"2-buf: the client's own calls with our value layout, 48-byte header + slot, no hashing)")
+    print("| value | threads | batch_put_from | 2-buf | ratio | ours store | ratio | batch_get_into | 2-buf | ratio "
+          "| ours load | ratio | ours one load job | ratio | Redis tier store / load |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        rr = redis_by_size.get(r["size"])
+        redis = f"{rr['store']:.2f} / {rr['load']:.2f}" if rr else "n/a"
+        print(f"| {r['size'] >> 10} KiB | {r['callers']} | {r['mc_put']:.2f} | {r['mc_put2']:.2f} "
+              f"| {r['mc_put2_ratio']:.2f} | {r['store']:.2f} | {r['store_ratio']:.2f} | {r['mc_get']:.2f} "
+              f"| {r['mc_get2']:.2f} | {r['mc_get2_ratio']:.2f} | {r['load']:.2f} | {r['load_ratio']:.2f} "
+              f"| {r['one_load']:.2f} | {r['one_load_ratio']:.2f} | {redis} |")
