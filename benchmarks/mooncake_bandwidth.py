@@ -3,8 +3,10 @@ Mooncake client's own batched zero-copy calls, in the same run.
 
 A real mooncake_master and one mooncake_client store node on loopback hold
 the values (the tier and the reference lend no memory, so every value
-crosses loopback TCP to the node). Per value size, each repeat times, with
-fresh keys, in a rotating order so drift in the machine hits all alike:
+crosses loopback TCP to the node). Per value size, each repeat moves the
+values in segments (2 of our jobs, at least 32 MiB) and times, per segment,
+with fresh keys, in a rotating order so that load from other processes
+(this machine is shared) hits all of them alike:
 
 - puts: the client's own `batch_put_from` of the slots (the reference),
   the same call shape with our value layout (`batch_put_from_multi_buffers`
@@ -17,8 +19,9 @@ fresh keys, in a rotating order so drift in the machine hits all alike:
 
 Reference calls carry `batch` values each (as our rounds do: batch_bytes =
 batch x value size) and are shared out over as many threads as our
-io_threads, all calling at once. Ratios are the median over repeats of
-ours / reference within one repeat.
+io_threads, all calling at once. A repeat's GB/s is its bytes over the sum
+of its segments' times; ratios are the median over repeats of ours /
+reference within one repeat.
 """
 
 from __future__ import annotations
@@ -37,13 +40,13 @@ from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.remote.value import HEADER_BYTES, RemoteLoadStoreSpec
 
 
-def reference(store, op: str, keys: list[str], pool: HostPool, batch: int, callers: int,
+def reference(store, op: str, keys: list[str], seg: range, pool: HostPool, batch: int, callers: int,
               headers: int | None = None) -> float:
-    """GB/s of the client's own batched put (op "put") or get of len(keys)
-    slots; headers: address of a registered buffer, for the two-buffer calls
-    (value i's 48 bytes at headers + 48 i, then its slot)."""
-    base, cb, size, n = pool.tensor.data_ptr(), pool.chunk_bytes, pool.used_chunk_bytes, len(keys)
-    batches = [range(a, min(n, a + batch)) for a in range(0, n, batch)]
+    """Seconds of the client's own batched put (op "put") or get of slots seg
+    (keys[i] for slot i); headers: address of a registered buffer, for the
+    two-buffer calls (value i's 48 bytes at headers + 48 i, then its slot)."""
+    base, cb, size = pool.tensor.data_ptr(), pool.chunk_bytes, pool.used_chunk_bytes
+    batches = [range(a, min(seg.stop, a + batch)) for a in range(seg.start, seg.stop, batch)]
     want = 0 if op == "put" else size + (HEADER_BYTES if headers else 0)
 
     def call(idx):
@@ -57,17 +60,21 @@ def reference(store, op: str, keys: list[str], pool: HostPool, batch: int, calle
                      else store.batch_get_into_multi_buffers(*args))
         assert all(c == want for c in codes), f"mooncake {op}: {set(codes)}"
 
+    if callers == 1:
+        t0 = time.perf_counter()
+        for idx in batches:
+            call(idx)
+        return time.perf_counter() - t0
     with ThreadPoolExecutor(callers) as ex:
         t0 = time.perf_counter()
         list(ex.map(call, batches))
-        return n * size / (time.perf_counter() - t0) / 1e9
+        return time.perf_counter() - t0
 
 
-def ours(worker, op: str, rkeys: list[str], keys: list[bytes], per_job: int) -> float:
-    """GB/s of our worker storing (op "put") or loading the first len(keys)
-    slots in jobs of per_job chunks, all submitted at once."""
-    n = len(keys)
-    jobs = [list(range(a, min(n, a + per_job))) for a in range(0, n, per_job)]
+def ours(worker, op: str, rkeys: list[str], keys: list[bytes], seg: range, per_job: int) -> float:
+    """Seconds of our worker storing (op "put") or loading slots seg in jobs
+    of per_job chunks, all submitted at once."""
+    jobs = [list(range(a, min(seg.stop, a + per_job))) for a in range(seg.start, seg.stop, per_job)]
     t0 = time.perf_counter()
     for j, slots in enumerate(jobs):
         spec = RemoteLoadStoreSpec([rkeys[s] for s in slots], [keys[s] for s in slots])
@@ -79,7 +86,7 @@ def ours(worker, op: str, rkeys: list[str], keys: list[bytes], per_job: int) -> 
     dt = time.perf_counter() - t0
     done = worker.get_finished()
     assert all(r.success for r in done), f"{op}: {sum(not r.success for r in done)} jobs failed"
-    return n * worker.payload_bytes / dt / 1e9
+    return dt
 
 
 def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int,
@@ -115,35 +122,41 @@ def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int,
             keys = [i.to_bytes(8, "big") + b"\0\0\0\0" for i in range(n)]
             rkeys = tier.keyspace.redis_keys(keys)
 
-            def phases(m: int, rep: int) -> dict[str, float]:
+            seg_len = max(2 * batch, (32 << 20) // size)
+            segments = [range(a, min(n, a + seg_len)) for a in range(0, n, seg_len)]
+
+            def run(segs: list[range], rep: int) -> dict[str, float]:
                 tag = f"{rep}:{time.monotonic_ns()}"
-                k1, k2 = [f"ref{tag}:{i}" for i in range(m)], [f"ref2{tag}:{i}" for i in range(m)]
-                steps = {"put": {"mc_put": lambda: reference(ref, "put", k1, pool, batch, callers),
-                                 "mc_put2": lambda: reference(ref, "put", k2, pool, batch, callers, haddr),
-                                 "store": lambda: ours(worker, "put", rkeys[:m], keys[:m], batch)},
-                         "get": {"mc_get": lambda: reference(ref, "get", k1, pool, batch, callers),
-                                 "mc_get2": lambda: reference(ref, "get", k2, pool, batch, callers, haddr),
-                                 "load": lambda: ours(worker, "get", rkeys[:m], keys[:m], batch)}}
-                r = {}
-                for step in steps.values():
-                    names = list(step)
-                    names = names[rep % 3:] + names[: rep % 3]
-                    r.update({name: step[name]() for name in names})
-                r["one_load"] = ours(worker, "get", rkeys[:m], keys[:m], m)
+                k1, k2 = [f"ref{tag}:{i}" for i in range(n)], [f"ref2{tag}:{i}" for i in range(n)]
+                steps = {"put": {"mc_put": lambda g: reference(ref, "put", k1, g, pool, batch, callers),
+                                 "mc_put2": lambda g: reference(ref, "put", k2, g, pool, batch, callers, haddr),
+                                 "store": lambda g: ours(worker, "put", rkeys, keys, g, batch)},
+                         "get": {"mc_get": lambda g: reference(ref, "get", k1, g, pool, batch, callers),
+                                 "mc_get2": lambda g: reference(ref, "get", k2, g, pool, batch, callers, haddr),
+                                 "load": lambda g: ours(worker, "get", rkeys, keys, g, batch),
+                                 "one_load": lambda g: ours(worker, "get", rkeys, keys, g, len(g))}}
+                secs: dict[str, float] = {}
+                for i, seg in enumerate(segs):
+                    for step in steps.values():
+                        names = list(step)
+                        names = names[(rep + i) % len(names):] + names[: (rep + i) % len(names)]
+                        for name in names:
+                            secs[name] = secs.get(name, 0.0) + step[name](seg)
                 assert np.array_equal(pool.array, before), "mooncake: loaded bytes differ"
                 ref.remove_all(True)
-                return r
+                moved = sum(len(g) for g in segs) * size
+                return {name: moved / t / 1e9 for name, t in secs.items()}
 
-            phases(batch, 0)  # untimed: every client's connections to the store node are then open
+            run(segments[:1], 0)  # untimed: every client's connections to the store node are then open
             runs = []
             for rep in range(repeats):
-                runs.append(phases(n, rep))
+                runs.append(run(segments, rep))
                 bar.update()
             tier.shutdown()
             ref.unregister_buffer(haddr)
             ref.unregister_buffer(pool.tensor.data_ptr())
             pool.close()
-            row = {"size": size, "n": n, "callers": callers,
+            row = {"size": size, "n": n, "callers": callers, "runs": runs,
                    **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
             for k, base in (("mc_put2", "mc_put"), ("store", "mc_put"), ("mc_get2", "mc_get"), ("load", "mc_get"),
                             ("one_load", "mc_get")):
