@@ -327,3 +327,25 @@ def test_offload_keys_are_the_contracts_keys():
     keys = offload_keys(seeds_of(hashes))
     assert keys == [make_offload_key(h.to_bytes(8, "big"), 0) for h in hashes]
     assert all(type(k) is bytes for k in keys) and offload_keys(seeds_of([])) == []
+
+
+@pytest.mark.parametrize("kw", [
+    dict(order="vllm", gpu_blocks=32, max_running=3),  # completions land a step later, however fast the copy
+    dict(order="legacy"),  # one request at a time: its stores land before it finishes
+], ids=["vllm", "legacy"])
+def test_inline_copies_give_the_copy_threads_results(kw):
+    # The default (copies in the step loop's thread) must replay exactly what
+    # the worker's copy thread replays: every counter, every byte check.
+    # (Legacy order with several requests running applies each job when the
+    # thread happens to finish it: no run repeats itself there, so no test.)
+    tr = generate_chat(seed=5, sessions=40, block_size=32)
+    inline = replay(tr, opts(150, **kw))
+    threaded = replay(tr, opts(150, copy_thread=True, **kw))
+    assert inline.options["copies_inline"] and not threaded.options["copies_inline"]
+    assert inline.counters["offload_hit_blocks"] > 0 and inline.counters["verified_blocks"] > 0
+    # timings, and the legacy loop's idle turns while the thread copies (steps, each >= 1 simulated ms)
+    skip = {"load_time_s", "store_time_s", "idle_waits", "steps", "sim_time_ms"}
+    assert {k: v for k, v in inline.counters.items() if k not in skip} == \
+        {k: v for k, v in threaded.counters.items() if k not in skip}
+    assert inline.tiers == threaded.tiers
+    check_tokens_add_up(inline)

@@ -20,8 +20,9 @@ reused prefix outlives the tail the request then stores, as in vLLM 0.33.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from itertools import islice
 
 from kvoffload.abstractions import ReqContext
 from kvoffload.policies.base import EvictionPolicy
@@ -110,6 +111,10 @@ class LRUPolicy(EvictionPolicy):
             return
         group.add(keys)
         order = self._order
+        if _move_all(order, keys):
+            for k in keys:  # (a loop: OrderedDict.update is slower)
+                order[k] = group
+            return
         move = order.move_to_end
         for k in reversed(keys):
             try:
@@ -120,6 +125,10 @@ class LRUPolicy(EvictionPolicy):
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         order = self._order
+        if _move_all(order, keys):
+            for k in keys:  # used: ranked on its own from now on
+                order[k] = None
+            return
         move = order.move_to_end
         for k in reversed(keys):
             try:
@@ -136,6 +145,8 @@ class LRUPolicy(EvictionPolicy):
             if group is not None:
                 group.live = False
                 group.keys = []
+        if _move_all(self._order, keys):
+            return
         move = self._order.move_to_end
         for k in reversed(keys):
             try:
@@ -152,7 +163,17 @@ class LRUPolicy(EvictionPolicy):
         order = self._order
         if n > len(order):
             return None
-        victims: list[bytes] = []
+        # The common case in C: the n oldest keys are loose (no live group)
+        # and evictable; they go oldest first, as the loop below takes them.
+        head = list(islice(order.values(), n))
+        if head.count(None) == n or all(g is None or not g.live for g in head):
+            victims = list(islice(order, n))
+            fast = getattr(can_evict, "all", None)
+            if fast(victims) if fast is not None else all(map(can_evict, victims)):
+                for k in victims:
+                    del order[k]
+                return victims
+        victims = []
         drained = None  # live groups already taken tail first
         for k, group in order.items():
             if group is None or not group.live:
@@ -187,3 +208,15 @@ class LRUPolicy(EvictionPolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._order
+
+
+def _move_all(order: OrderedDict, keys: list[bytes]) -> bool:
+    """Move keys to the newest end, the last of them first (the head ends
+    newest), in one C loop; False if one is missing. A caller then redoes
+    the moves key by key: the same keys moved in the same order end in
+    the same places."""
+    try:
+        deque(map(order.move_to_end, reversed(keys)), 0)
+    except KeyError:
+        return False
+    return True

@@ -80,6 +80,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--verify", choices=("sample", "all"), default="sample",
                    help="byte checks of every loaded block: sample (default): its first and last 8 bytes and "
                         "6 more words spread over it; all: every byte (slower at small blocks)")
+    e.add_argument("--copy-thread", action="store_true",
+                   help="CPU tier: copy on the worker's own thread, as an engine does (default: in the step "
+                        "loop's thread at submit, same results without two thread hand-offs per job)")
     e.add_argument("--order", choices=("vllm", "legacy"), default="vllm",
                    help="manager call order: vllm (default): vLLM's scheduler and OffloadingConnector (a "
                         "request finishes before its stores land; no touch); legacy: stores land before "
@@ -279,7 +282,7 @@ def build_options(args, trace: Trace, cpu_blocks: str | None = None):
         spec=spec, extra_config=extra, kv_bytes_per_token=kv, gpu_blocks=args.gpu_blocks,
         max_running=args.max_running, arrival=args.arrival, time_compression=args.time_compression,
         prefill_tokens_per_s=args.prefill_tokens_per_s, strict=args.strict, verify=args.verify,
-        sync_tiers=args.sync_tiers,
+        sync_tiers=args.sync_tiers, copy_thread=args.copy_thread,
         progress=not args.no_progress, metrics=getattr(args, "_metrics", None),
         events=getattr(args, "_events", None), order=args.order, preempt_every=args.preempt_every,
         abort_every=args.abort_every, reset_every=args.reset_every,

@@ -72,6 +72,12 @@ class EngineOptions:
     strict: bool = False  # raise on the first byte mismatch instead of counting it
     verify: str = "sample"  # "sample": a sample of every loaded block's bytes; "all": every byte
     order: str = "vllm"  # "vllm" or "legacy" (see the module docstring)
+    # False: a CPU worker copies each job in the step loop's thread as it is
+    # submitted (the same plan and copy code, reported through get_finished
+    # as before; both orders apply a completion no earlier than with a
+    # thread, so the run is the same, without two thread hand-offs per job).
+    # True: on the worker's own copy thread, as in an engine.
+    copy_thread: bool = False
     preempt_every: int = 0  # vllm order: preempt the newest decoding request every N steps (once per request)
     abort_every: int = 0  # vllm order: abort every N-th request when it is scheduled
     reset_every: int = 0  # vllm order: reset_cache() before every N-th step
@@ -177,6 +183,8 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
         # Worker first: a spec sized in bytes learns its chunk size from the KV caches.
         self.worker = self.spec.get_worker(kv)
         self.manager = self.spec.get_manager()
+        inline = getattr(self.worker, "run_copies_inline", None)
+        self.copies_inline = not opts.copy_thread and inline is not None and inline()
         # The engine calls both through timed proxies (their share of the time).
         self.mgr = TimedManager(self.manager)
         self.wrk = TimedWorker(self.worker)
@@ -297,7 +305,7 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
             trace=self.trace.name,
             options={k: v for k, v in vars(opts).items() if not k.startswith("progress")} | {
                 "block_size": self.trace.block_size, "page_bytes": self.page_bytes,
-                "offload_prompt_only": self.prompt_only},
+                "offload_prompt_only": self.prompt_only, "copies_inline": self.copies_inline},
             counters=dict(self.c),
             tiers=self._tiers,
             manager_ns_per_block=self.mgr.ns_per_block(),

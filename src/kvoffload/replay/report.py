@@ -191,7 +191,8 @@ def _rows(r: ReplayResult) -> list[tuple[str, str]]:
          if s["verify_failures"] else f"{s['verified_blocks']:,} ({_checked(r)})"),
         (f"prefill saved @ {o['prefill_tokens_per_s']:,.0f} tok/s",
          f"{s['prefill_saved_s']:.1f} s by offload, {s['prefill_saved_by_gpu_cache_s']:.1f} s by GPU cache"),
-        ("wall time", f"{s['wall_s']:.2f} s: manager {s['manager_s']:.2f}, worker {s['worker_s']:.2f}, "
+        ("wall time", f"{s['wall_s']:.2f} s: manager {s['manager_s']:.2f}, worker {s['worker_s']:.2f}"
+                      f"{' (copies inline)' if o.get('copies_inline') else ''}, "
                       f"idle {s['idle_s']:.2f}, harness {s['harness_s']:.2f} = {100 * s['harness_share']:.0f}% "
                       f"(block contents {s['content_s']:.2f}); CPU time {s['cpu_s']:.2f} s"),
     ]

@@ -12,6 +12,8 @@ temporary of the job's bytes, small for such jobs). A strided ref is
 copied as one np.copyto per stretch of its numpy strided views (all
 blocks x fragments; all slots x pages x fragments). Nothing else on the
 copy path allocates beyond the plan's few small arrays.
+A caller with nothing to overlap the copies with may have them run in its
+own thread instead (run_inline: the same plan and copy, no hand-offs).
 """
 
 from __future__ import annotations
@@ -60,16 +62,35 @@ class CPUCopier:
         self._queue: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
         self._lock = threading.Lock()  # orders submits against close's sentinel
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="kvoffload-cpu-copy", daemon=True)
+        self._thread: threading.Thread | None = threading.Thread(
+            target=self._run, name="kvoffload-cpu-copy", daemon=True)
         self._thread.start()
 
     def submit(self, job_id: int, direction: str, groups: list[GroupJob]) -> None:
-        """Queue a checked job; one that races close fails (never hangs)."""
+        """Queue a checked job; one that races close fails (never hangs).
+        Inline (run_inline): copy it now, in the caller's thread."""
         with self._lock:
             if not self._stopped:
-                self._queue.put((job_id, direction, groups))
+                if self._thread is None:
+                    self._do(job_id, direction, groups)
+                else:
+                    self._queue.put((job_id, direction, groups))
                 return
         self._finish(job_id, -1, None)
+
+    def run_inline(self) -> None:
+        """From now on copy each job in the thread that submits it, before
+        submit returns; the job is still reported through finish (the
+        worker's get_finished). Same plan and copy code, no thread
+        hand-offs: for a caller with nothing to overlap the copies with (a
+        replay on CPU tensors, where two hand-offs per job cost more than
+        the copy). Jobs queued before are finished first."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is not None:
+                self._queue.put(None)
+        if thread is not None:
+            thread.join()
 
     def poll(self, block_on: set[int] | None = None) -> None:
         """Nothing to do: the thread reports jobs as they finish."""
@@ -78,21 +99,27 @@ class CPUCopier:
         """Finish the queued jobs, then stop the thread."""
         with self._lock:
             self._stopped = True
-            self._queue.put(None)
-        self._thread.join()
+            thread = self._thread
+            if thread is not None:
+                self._queue.put(None)
+        if thread is not None:
+            thread.join()
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            job_id, direction, groups = item
-            t0 = time.perf_counter()
-            try:
-                plan = self.planner.plan(job_id, direction, groups)
-                self.copy(plan)
-            except Exception:  # a failed job never takes the thread down
-                logger.exception("CPU offload %s job %d failed", direction, job_id)
-                self._finish(job_id, -1, time.perf_counter() - t0)
-            else:
-                self._finish(job_id, plan.nbytes, time.perf_counter() - t0)
+            self._do(*item)
+
+    def _do(self, job_id: int, direction: str, groups: list[GroupJob]) -> None:
+        """Plan, copy and report one job."""
+        t0 = time.perf_counter()
+        try:
+            plan = self.planner.plan(job_id, direction, groups)
+            self.copy(plan)
+        except Exception:  # a failed job never takes the thread down
+            logger.exception("CPU offload %s job %d failed", direction, job_id)
+            self._finish(job_id, -1, time.perf_counter() - t0)
+        else:
+            self._finish(job_id, plan.nbytes, time.perf_counter() - t0)
 
     def _run_views(self, kv_caches: CanonicalKVCaches, st: StridedRef, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per CopyRun of a strided ref: its fragments in every GPU block,

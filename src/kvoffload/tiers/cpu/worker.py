@@ -112,6 +112,17 @@ class CPUOffloadingWorker(OffloadingWorker):
         self.copier.submit(job_id, direction, groups)
         return True
 
+    def run_copies_inline(self) -> bool:
+        """Copy each job in the thread that submits it, before the submit
+        returns (CPU tensors only; copy_cpu.CPUCopier.run_inline). Jobs are
+        still reported through get_finished. False (nothing changed) on a
+        GPU, where the copies are asynchronous on streams anyway."""
+        run_inline = getattr(self.copier, "run_inline", None)
+        if run_inline is None:
+            return False
+        run_inline()
+        return True
+
     def _refuse(self, direction: str, why: str) -> bool:
         self.last_error = why
         logger.warning("refused %s job: %s", direction, why)
