@@ -349,3 +349,21 @@ def test_inline_copies_give_the_copy_threads_results(kw):
         {k: v for k, v in threaded.counters.items() if k not in skip}
     assert inline.tiers == threaded.tiers
     check_tokens_add_up(inline)
+
+
+@pytest.mark.parametrize("slots", [[3, 4, 5, 6], [9, 8, 7, 6, 5], [2], [1, 3, 4, 7], [5, 4, 6], [0, 0]],
+                         ids=["up", "down", "one", "scattered", "turns", "repeated"])
+def test_fill_writes_each_blocks_words_whatever_the_slot_order(slots):
+    from kvoffload.replay.contents import BlockContents
+
+    words = np.full((10, 16), -1, dtype=np.int64)
+    contents = BlockContents(words, "all")
+    s = np.array(slots, dtype=np.int64)
+    seeds = np.arange(100, 100 + len(s), dtype=np.int64) * 7919
+    contents.fill(s, seeds)
+    last = dict(zip(slots, seeds))  # a slot listed twice holds its last block (fancy assignment's rule)
+    for slot in range(10):
+        want = contents._base + last[slot] if slot in last else np.full(16, -1)
+        assert words[slot].tolist() == want.tolist()
+    uniq = list(dict.fromkeys(reversed(slots)))
+    assert not len(contents.check(np.array(uniq), np.array([last[x] for x in uniq])))
