@@ -41,6 +41,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -421,8 +422,6 @@ def plot(rows: list[dict], path: str) -> None:
 
 
 def _json_or_str(v: str):
-    import json
-
     try:
         return json.loads(v)
     except ValueError:
@@ -452,6 +451,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mooncake-store", default="6GiB",
                     help="memory the store node lends for --replay-mooncake (the whole trace stores ~1.7 GB "
                          "per run; a full store evicts)")
+    ap.add_argument("--mooncake-json", help="also write part 4's rows, with each repeat's GB/s, to this JSON file")
     ap.add_argument("--replay-mooncake", action="store_true",
                     help="also run part 2 with the Mooncake tier as the shared remote tier")
     args = ap.parse_args(argv)
@@ -484,6 +484,8 @@ def main(argv=None) -> int:
         mc = mooncake_bandwidth(sizes, parse_bytes(args.total, "--total"), args.repeats, args.pipeline,
                                 args.mooncake_io_threads)
         print_mooncake(mc, args.pipeline, rows)
+        if args.mooncake_json:
+            Path(args.mooncake_json).write_text(json.dumps(mc, indent=1))
     if args.replay_mooncake:
         from kvoffload.tiers.mooncake.server import LocalMooncake
 

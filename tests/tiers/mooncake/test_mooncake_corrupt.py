@@ -97,37 +97,6 @@ def test_damage_in_a_later_round_fails_the_job_once(mooncake, raw, prefix):
         tier.shutdown()
 
 
-@pytest.mark.parametrize("bad", [0, 5])
-def test_damage_in_a_halved_last_round_fails_the_job_once(mooncake, raw, prefix, bad):
-    """A 6 MiB load with nothing queued behind it has its last round halved
-    (the check after the bytes arrive is what a load waits for): a bad value
-    in the first or the last piece fails the job, reported once, after every
-    piece was checked; the other values are served."""
-    n, chunk = 6, 1 << 20
-    tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=2 * n, chunk_bytes=chunk, io_threads=1)
-    try:
-        assert len(w._rounds(n, tail=True)) > 1  # the case under test: one round of 6 MiB, halved
-        keys = keys_for(n, seed=22)
-        fill(pool, range(n), seed=22)
-        assert store(m, w, keys, list(range(n)))
-        rkey = tier.keyspace.redis_key(keys[bad])
-        v = bytearray(raw.get(rkey))
-        v[HEADER_BYTES + chunk - 1] ^= 1
-        _replace(raw, rkey, bytes(v))
-        spec = m.prepare_load(keys, CTX)
-        assert w.submit_load(92, spec, CPULoadStoreSpec(list(range(n, 2 * n))))
-        w.wait({92})
-        done = [r for r in w.get_finished() if r.job_id == 92]
-        m.complete_load(keys, CTX)
-        assert len(done) == 1 and not done[0].success
-        c = m.get_stats().counters
-        assert c["checksum_failures"] == 1 and c["loaded_blocks"] == n - 1 and c["load_failures"] == 1
-        good = [j for j in range(n) if j != bad]
-        assert np.array_equal(pool.array[good], pool.array[[n + j for j in good]])
-    finally:
-        tier.shutdown()
-
-
 def test_mac_refuses_a_value_without_it(mooncake, prefix, tmp_path, monkeypatch):
     """With a shared secret, a value stored by a client without it is refused (BAD_MAC)."""
     monkeypatch.setenv("KVO_MC_MAC", "a-secret-of-at-least-16-bytes")

@@ -19,9 +19,9 @@ thread (the client's calls and xxhash's update both release the GIL):
   checker thread and goes on with its next batched call; the part is
   reported when its last round is checked. Each IO thread has two
   registered header buffers, so it waits only when both hold rounds still
-  being checked. The check of a part's last round is what a load waits
-  for after its bytes arrived, so when no other load is queued to overlap
-  it, that round is split into halves down to TAIL_BYTES.
+  being checked. (Halving a lone load's last round, to shorten the check
+  left after its bytes arrive, made loads slower: a call of 1-2 values
+  moves over fewer of the client's TCP lanes; docs/BENCHMARKS.md.)
 """
 
 from __future__ import annotations
@@ -47,11 +47,6 @@ from kvoffload.tiers.remote.value import BAD_MAC, CORRUPT, ERROR, HEADER_BYTES, 
 from kvoffload.tiers.remote.worker import RemoteTierWorker, _Job
 
 log = logging.getLogger(__name__)
-
-# A load's last round is split until its check (xxh3, ~10 GB/s) is about
-# one batched call's fixed cost (~0.2-0.5 ms here): waiting on a longer
-# check costs more than another call.
-TAIL_BYTES = 4 << 20
 
 _DELETE = {CORRUPT: "checksum_failures", WRONG_KEY: "wrong_key_values", BAD_MAC: "mac_failures"}
 
@@ -144,7 +139,8 @@ class MooncakeTierWorker(RemoteTierWorker):
         super().shutdown()
         self._checks.put(None)  # after the IO threads: nothing more gets queued
         self._checker.join(timeout=10)
-        if not any(t.is_alive() for t in (*self._threads, self._checker, self._hasher)):  # one stuck in a call may still use it
+        # a thread stuck in a call may still use the buffers
+        if not any(t.is_alive() for t in (*self._threads, self._checker, self._hasher)):
             self._close_spare_headers()
             self._client.unregister_buffer(self._base)
 
@@ -157,7 +153,7 @@ class MooncakeTierWorker(RemoteTierWorker):
         """This IO thread's header buffers (one registered set per thread, taken on first use)."""
         return conns.get("headers") or conns.setdefault("headers", self._header_sets.get_nowait())
 
-    # -- loads: transfer on the IO thread, check on the checker thread ---
+    # -- a part: a load's transfer here on the IO thread, its check on the checker thread ---
     def _move(self, conns: dict, job: _Job, slots: list[int], spec, headers: bytes | None = None) -> None:
         # conns: this IO thread's own things (here its header buffers); closed when the thread ends
         if not slots:
@@ -170,10 +166,11 @@ class MooncakeTierWorker(RemoteTierWorker):
             c.add("load_failures", len(slots))
             return self._part_done(job, len(slots), False)
         hbs = self._headers(conns)
-        rounds = self._rounds(len(slots), tail=not self._loads)  # a queued load would overlap the last check
-        part = _Part(job, len(slots), len(rounds))
-        for r, (i, j) in enumerate(rounds):
-            sl = slice(i, j)
+        n = self._per_round
+        starts = range(0, len(slots), n)
+        part = _Part(job, len(slots), len(starts))
+        for r, i in enumerate(starts):
+            sl = slice(i, i + n)
             hb = hbs.free.get()  # waits while both buffers' rounds are being checked
             try:
                 codes = self._fetch(hb, slots[sl], spec.redis_keys[sl])
@@ -184,25 +181,11 @@ class MooncakeTierWorker(RemoteTierWorker):
                 hbs.free.put(hb)
                 backoff.failed()
                 c.add("load_failures", len(slots) - i)
-                self._rounds_done(part, len(rounds) - r, False)
+                self._rounds_done(part, len(starts) - r, False)
                 return None
             self._checks.put((part, hbs, hb, slots[sl], spec.redis_keys[sl], spec.keys[sl], codes))
         backoff.succeeded()
         return None
-
-    def _rounds(self, n: int, tail: bool) -> list[tuple[int, int]]:
-        """[a, b) runs of a load's n chunks, one batched call each; with tail, the
-        last is halved until its check is short (TAIL_BYTES)."""
-        per = self._per_round
-        rounds = [(a, min(n, a + per)) for a in range(0, n, per)]
-        if tail:
-            a, b = rounds.pop()
-            while b - a > 1 and (b - a) * self.payload_bytes > TAIL_BYTES:
-                mid = a + (b - a + 1) // 2
-                rounds.append((a, mid))
-                a = mid
-            rounds.append((a, b))
-        return rounds
 
     def _check_loads(self) -> None:
         while (item := self._checks.get()) is not None:
