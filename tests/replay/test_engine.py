@@ -367,3 +367,21 @@ def test_fill_writes_each_blocks_words_whatever_the_slot_order(slots):
         assert words[slot].tolist() == want.tolist()
     uniq = list(dict.fromkeys(reversed(slots)))
     assert not len(contents.check(np.array(uniq), np.array([last[x] for x in uniq])))
+
+
+def test_keys_share_the_objects_of_the_last_request_with_the_same_head(mooncake_file):
+    from kvoffload.replay.scheduling import offload_keys
+
+    tr = load_trace(mooncake_file([[1, 2]]), block_size=4)
+    engine = ReplayEngine(tr, opts(8))
+    try:
+        runs = [[1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 9, 4], [1, 2], [7, 1, 2], [1, 2, 9, 4, 6], []]
+        got = [engine._keys_sharing_prefix(np.array(r, dtype=np.int64)) for r in runs]
+        for r, keys in zip(runs, got):  # the contract's keys, whatever came before
+            assert keys == offload_keys(np.array(r, dtype=np.int64))
+        assert all(a is b for a, b in zip(got[0], got[1][:3]))  # a longer turn reuses the objects
+        assert got[2][1] is got[1][1] and got[2][2] is not got[1][2]  # up to where they differ
+        # only the last request with that head is shared ([1, 2], not [1, 2, 9, 4])
+        assert got[5][1] is got[3][1] and got[5][3] is not got[2][3]
+    finally:
+        engine.close()

@@ -194,6 +194,7 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
         # they came from (see Seen.absent).
         self._primary = getattr(self.manager, "primary", None) if getattr(self.manager, "tiers", None) else None
         self._cpu_stored: dict[bytes, int] = {}  # key -> step the engine's store of it landed
+        self._last_by_head: dict[int, tuple] = {}  # first block's seed -> (seeds, keys) of the last such request
         self._job_id = 0
         self._job_step: dict[int, int] = {}  # vllm order: job -> step it was submitted
         self._held: list = []  # vllm order: results of jobs submitted this step, applied next step

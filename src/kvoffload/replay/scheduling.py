@@ -43,7 +43,7 @@ class Scheduling:
         ctx = ReqContext(req.req_id, req.kv_transfer_params)
         bs = self.trace.block_size
         seeds = seeds_of(req.block_hashes)
-        keys = offload_keys(seeds)
+        keys = self._keys_sharing_prefix(seeds)
         ctx.set_offload_key_positions(keys, range(bs, (len(keys) + 1) * bs, bs))
         roc = self.mgr.on_new_request(ctx)
         seen = self._seen[req.req_id] = Seen(ctx, keys, seeds, roc.policy == OffloadPolicy.REQUEST_LEVEL,
@@ -53,6 +53,28 @@ class Scheduling:
             slot_of = self._primary.slot_of
             seen.absent = {k for k in keys if slot_of(k) is None}
         return seen
+
+    def _keys_sharing_prefix(self, seeds: np.ndarray) -> list[bytes]:
+        """The blocks' keys, sharing the bytes objects of the last request
+        that began with the same block as far as both agree (a conversation's
+        next turn repeats its context): equal keys are then the same object,
+        so the manager's dict lookups end at the identity check, and the
+        replay makes and holds one object per block instead of one per
+        reference."""
+        if not len(seeds):
+            return []
+        first = int(seeds[0])
+        last = self._last_by_head.get(first)
+        if last is None:
+            keys = offload_keys(seeds)
+        else:
+            old_seeds, old_keys = last
+            m = min(len(seeds), len(old_seeds))
+            differ = np.flatnonzero(seeds[:m] != old_seeds[:m])
+            n = int(differ[0]) if len(differ) else m
+            keys = old_keys[:n] + offload_keys(seeds[n:]) if n < len(seeds) else old_keys[:n]
+        self._last_by_head[first] = (seeds, keys)
+        return keys
 
     def _schedule(self, waiting: deque) -> list[str]:
         """Start waiting requests while there is room (lookups, GPU blocks,
