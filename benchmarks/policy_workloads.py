@@ -19,6 +19,7 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
   oneshot         many short one-shot prompts (shared 4-block preamble) among chat sessions
   systail         one shared system prompt, a long tail of users with 1-3 turns each
   scan-tune, oneshot-tune   the same kinds, other seeds and sizes (tuning data for segchain)
+  convo-tune      Mooncake-like: a shared system block, conversations that mostly end after a turn (tuning, duel)
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
@@ -109,9 +110,26 @@ def systail() -> list[Req]:
     return _interleave(rng, _sessions(rng, ids, 4000, sys_blocks=system, turns=(1, 3), grow=(2, 16)))
 
 
+def convo(seed: int = 31, sessions: int = 3000) -> list[Req]:
+    """Mooncake-like (built, not taken from the trace): one shared system block,
+    conversations that go on with a probability growing with their depth
+    (0.3 after the first turn, most end there), turns far apart."""
+    rng, ids = np.random.default_rng(seed), _Ids()
+    system = ids.take(1)
+    out = []
+    for _ in range(sessions):
+        ctx = system + ids.take(int(rng.integers(1, 24)))
+        turns = [ctx]
+        while rng.random() < min(0.8, 0.24 + 0.06 * len(turns)) and len(turns) < 30:
+            ctx = ctx + ids.take(int(rng.integers(1, 6)))
+            turns.append(ctx)
+        out.append(turns)
+    return _interleave(rng, out, gap=300.0)
+
+
 WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "agentic-all-s0", "agentic-all-s600",
              "chat-tune", "chat-judge", "mooncake", "scan", "oneshot", "systail",
-             "scan-tune", "oneshot-tune"]
+             "scan-tune", "oneshot-tune", "convo-tune"]
 
 
 def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
@@ -125,7 +143,8 @@ def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
 
 GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail,
              # tuning variants for segchain (other seeds and sizes than the judge rows)
-             "scan-tune": lambda: scan(21, 1000, 250), "oneshot-tune": lambda: oneshot(22, 600, 2)}
+             "scan-tune": lambda: scan(21, 1000, 250), "oneshot-tune": lambda: oneshot(22, 600, 2),
+             "convo-tune": convo}  # Mooncake-like tuning row for duel (the trace itself is judge data)
 
 
 def replay_args(name: str, out_dir: Path) -> list[str]:
@@ -150,7 +169,7 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
     return [str(path)]
 
 
-TUNE = ("agentic-tune", "chat-tune", "scan-tune", "oneshot-tune")
+TUNE = ("agentic-tune", "chat-tune", "scan-tune", "oneshot-tune", "convo-tune")
 
 
 def table(out_dir: Path, workloads: list[str], candidate: str = "chain") -> str:

@@ -1,4 +1,4 @@
-"""Hypothesis: S3-FIFO, SIEVE and prefix keep the policy contract under any
+"""Hypothesis: S3-FIFO, SIEVE, prefix, chain, segchain and duel keep the policy contract under any
 sequence of calls, alone and inside the CPU manager.
 
 - len / contains match a plain model of the held keys;
@@ -8,17 +8,16 @@ sequence of calls, alone and inside the CPU manager.
 - in the manager, a key being loaded is never evicted.
 """
 
-import copy
-
 import hypothesis.strategies as st
 import pytest
+from atomicity import deep_state
 from hypothesis import HealthCheck, given, settings
 
 from kvoffload.abstractions import ReqContext
 from kvoffload.policies import get_policy_class
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 
-NEW_POLICIES = ["s3fifo", "sieve", "prefix", "chain", "segchain"]
+NEW_POLICIES = ["s3fifo", "sieve", "prefix", "chain", "segchain", "duel"]
 KEYS = [i.to_bytes(8, "big") + b"\0\0\0\0" for i in range(16)]
 
 op = st.one_of(
@@ -54,11 +53,11 @@ def test_policy_contract(policy, ops, capacity):
             held.discard(args[0])
         else:
             n, pinned = args
-            before = copy.deepcopy(pol.__dict__)
+            before = deep_state(pol)  # by value, nested policies too (duel's experts)
             out = pol.evict(n, lambda k: k not in pinned)
             if out is None:
                 assert len(held - pinned) < n, "refused although enough keys were evictable"
-                assert pol.__dict__ == before, "a refused evict changed the policy"
+                assert deep_state(pol) == before, "a refused evict changed the policy"
             else:
                 assert len(out) == n == len(set(out))
                 assert set(out) <= held - pinned

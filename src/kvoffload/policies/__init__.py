@@ -46,5 +46,9 @@ from kvoffload.policies.segchain import SegChainPolicy  # noqa: E402
 
 register_policy("segchain", SegChainPolicy)
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy", "S3FIFOPolicy", "SIEVEPolicy", "PrefixAwarePolicy", "ChainPolicy", "SegChainPolicy",
+from kvoffload.policies.duel import DuelPolicy  # noqa: E402
+
+register_policy("duel", DuelPolicy)
+
+__all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy", "S3FIFOPolicy", "SIEVEPolicy", "PrefixAwarePolicy", "ChainPolicy", "SegChainPolicy", "DuelPolicy",
            "register_policy", "get_policy_class", "policy_names"]
