@@ -27,12 +27,12 @@ one delegated call per batch and a C-level stamp.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable
 from zlib import crc32
 from heapq import merge
-from itertools import chain
-from operator import itemgetter
+from itertools import chain, compress
+from operator import itemgetter, not_
 
 from kvoffload.abstractions import ReqContext
 from kvoffload.policies.arc import ARCPolicy
@@ -77,8 +77,7 @@ class _Seg(SegChainPolicy):
 
 class _ARC(ARCPolicy):
     """ARC that also keeps each resident key's last use (the duel's request
-    count), so a switch to segchain keeps the recency order. C-level dict
-    updates per call and eviction."""
+    count), so a switch to segchain keeps the recency order."""
 
     def __init__(self, capacity: int, now: int):
         super().__init__(capacity)
@@ -86,12 +85,17 @@ class _ARC(ARCPolicy):
         self.last: dict[bytes, int] = {}
 
     def _stamp(self, keys: list[bytes]) -> None:
-        t1, t2 = self.t1, self.t2
-        self.last.update(dict.fromkeys([k for k in keys if k in t1 or k in t2], self.now))
+        # C-level; keys not (or no longer) held are stamped too and dropped
+        # once the dict doubles the capacity (amortized O(1) per key)
+        last = self.last
+        last.update(dict.fromkeys(keys, self.now))
+        if len(last) > 2 * self.capacity + 64:
+            t1, t2 = self.t1, self.t2
+            self.last = {k: v for k, v in last.items() if k in t1 or k in t2}
 
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         super().insert(keys, ctx)
-        self.last.update(dict.fromkeys(keys, self.now))
+        self._stamp(keys)
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         super().touch(keys, ctx)
@@ -100,16 +104,6 @@ class _ARC(ARCPolicy):
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         super().refresh(keys, ctx)
         self._stamp(keys)
-
-    def remove(self, key: bytes) -> None:
-        super().remove(key)
-        self.last.pop(key, None)
-
-    def evict(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes] | None:
-        victims = super().evict(n, can_evict)
-        if victims:
-            deque(map(self.last.pop, victims), 0)
-        return victims
 
 
 class DuelPolicy(EvictionPolicy):
@@ -145,7 +139,7 @@ class DuelPolicy(EvictionPolicy):
             self.live.now = self.requests
         pos = ctx.offload_key_positions()
         mask = self._mask
-        sample = [k for k in pos if not crc32(k) & mask]
+        sample = list(compress(pos, map(not_, map(mask.__and__, map(crc32, pos)))))  # C-level
         if not sample:
             return
         sample.sort(key=pos.__getitem__)
