@@ -49,18 +49,9 @@ class BlockContents:
         self._step = max(1, (n - 2) // (SAMPLE_WORDS - 2)) if self._sampled else 1
 
     def fill(self, slots: np.ndarray, seeds: np.ndarray) -> None:
-        """Write each block's contents (a simulated prefill): every byte.
-        Slots that run consecutively (up or down: a request's fresh GPU
-        blocks nearly always do) are written in place, without the
-        temporary and the scatter of a fancy-indexed assignment."""
-        n = len(slots)
-        if not n:
-            return
-        out = _run_view(self.words, slots)
-        if out is None:
+        """Write each block's contents (a simulated prefill): every byte."""
+        if len(slots):
             self.words[slots] = self._base + seeds[:, None]
-        else:
-            np.add(self._base, seeds[:, None], out=out)
 
     def check(self, slots: np.ndarray, seeds: np.ndarray) -> np.ndarray:
         """Indices (into slots) of loaded blocks whose bytes are not what
@@ -81,17 +72,3 @@ class BlockContents:
     def words_checked(self, blocks: int) -> int:
         """Words the checks of `blocks` loaded blocks compare."""
         return blocks * (SAMPLE_WORDS if self._sampled else self.words.shape[1])
-
-
-def _run_view(words: np.ndarray, slots: np.ndarray) -> np.ndarray | None:
-    """words[slots] as a view when the slots step by +1 or -1, else None."""
-    first = int(slots[0])
-    if len(slots) == 1:
-        return words[first:first + 1]
-    step = int(slots[1]) - first
-    if step not in (1, -1) or not (np.diff(slots) == step).all():
-        return None
-    if step == 1:
-        return words[first:first + len(slots)]
-    last = int(slots[-1])
-    return words[last:first + 1][::-1]
