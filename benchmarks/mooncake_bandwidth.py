@@ -106,7 +106,7 @@ def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int,
         bar = tqdm(total=len(sizes) * repeats, desc="mooncake bandwidth", unit="run")
         for size in sizes:
             n = max(batch, total // size)
-            pool = HostPool(n, size)
+            pool = HostPool(n, size, trailer_bytes=HEADER_BYTES)  # the tier keeps each header after its chunk
             pool.array[:] = np.random.default_rng(size).integers(0, 256, pool.array.shape, dtype=np.uint8)
             before = pool.array.copy()
             hmm = mmap.mmap(-1, max(n * HEADER_BYTES, mmap.PAGESIZE))

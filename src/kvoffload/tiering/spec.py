@@ -69,6 +69,9 @@ class TieredOffloadingSpec(OffloadingSpec):
         # the CPU spec's config (block_size applied) with all of our extra_config
         super().__init__(dataclasses.replace(self.cpu.config, extra_config=extra))
         self.tier_configs: list[dict[str, Any]] = _tier_configs(extra)
+        # room after each host-pool chunk a tier keeps its value header in (Mooncake: one buffer per key)
+        self.cpu.pool_trailer_bytes = max((getattr(get_tier_class(c["type"]), "POOL_TRAILER_BYTES", 0)
+                                           for c in self.tier_configs), default=0)
         ns = extra.get("namespace") or {}
         if not isinstance(ns, dict):
             raise ConfigError(f"namespace must be a mapping, got {ns!r}")
@@ -156,7 +159,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         if "admission" in conf:
             admission = make_admission(conf["admission"], threshold if "store_threshold" in conf else None,
                                        f"{where}.admission")
-        ctx = TierContext(i, name, self.namespace(), align_up(self.kv_bytes_per_chunk),
+        ctx = TierContext(i, name, self.namespace(), align_up(self.kv_bytes_per_chunk + self.cpu.pool_trailer_bytes),
                           self.kv_events_config.enable_kv_cache_events)
         backend = cls.from_config({k: v for k, v in conf.items() if k not in TIER_KEYS}, ctx)
         return Tier(backend, threshold, depth, admission)

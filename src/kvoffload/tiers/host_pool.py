@@ -37,14 +37,20 @@ class HostPool:
     device copies run asynchronously at full speed.
     """
 
-    def __init__(self, num_chunks: int, chunk_bytes: int):
+    def __init__(self, num_chunks: int, chunk_bytes: int, trailer_bytes: int = 0):
+        """trailer_bytes: room each slot keeps after its chunk_bytes (the
+        Mooncake tier stores a value's header there, so chunk + header go out
+        as one buffer); the stride still rounds up to 4 KiB for O_DIRECT."""
         if num_chunks <= 0:
             raise ValueError(f"host pool needs at least one chunk, got {num_chunks}")
         if chunk_bytes <= 0:
             raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+        if trailer_bytes < 0:
+            raise ValueError(f"trailer_bytes must be >= 0, got {trailer_bytes}")
         self.num_chunks = num_chunks
-        self.chunk_bytes = align_up(chunk_bytes)
+        self.chunk_bytes = align_up(chunk_bytes + trailer_bytes)
         self.used_chunk_bytes = chunk_bytes
+        self.trailer_bytes = trailer_bytes
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
         self._adopt(mmap.mmap(-1, self.nbytes, flags=flags), touch=True)
 
@@ -102,13 +108,16 @@ def _wait_for(path: Path, wait_s: float) -> None:
 class SharedHostPool(HostPool):
     """num_chunks chunk slots in a MAP_SHARED mapping of the file at `path`."""
 
-    def __init__(self, path: str | os.PathLike, num_chunks: int, chunk_bytes: int, create: bool):
-        if num_chunks <= 0 or chunk_bytes <= 0:
-            raise ValueError(f"shared host pool needs chunks and bytes, got {num_chunks} x {chunk_bytes}")
+    def __init__(self, path: str | os.PathLike, num_chunks: int, chunk_bytes: int, create: bool,
+                 trailer_bytes: int = 0):
+        if num_chunks <= 0 or chunk_bytes <= 0 or trailer_bytes < 0:
+            raise ValueError(f"shared host pool needs chunks and bytes, got {num_chunks} x {chunk_bytes} "
+                             f"(trailer {trailer_bytes})")
         self.path, self.owner = Path(path), create
         self.num_chunks = num_chunks
-        self.chunk_bytes = align_up(chunk_bytes)
+        self.chunk_bytes = align_up(chunk_bytes + trailer_bytes)  # HostPool's rule
         self.used_chunk_bytes = chunk_bytes
+        self.trailer_bytes = trailer_bytes
         size = self.num_chunks * self.chunk_bytes
         if create:
             if self.path.exists():  # early and clear; the link below is the real check
@@ -129,6 +138,9 @@ class SharedHostPool(HostPool):
             elif (have := _read_header(fd, self.path)) != (num_chunks, chunk_bytes):
                 raise ValueError(f"{self.path} holds {have} (chunks, bytes), not "
                                  f"{num_chunks} chunks of {chunk_bytes} B: the ranks disagree on the pool")
+            elif os.fstat(fd).st_size != ALIGN + size:  # the slot stride (trailer room) differs
+                raise ValueError(f"{self.path} is {os.fstat(fd).st_size} bytes, not {ALIGN + size} "
+                                 f"({num_chunks} slots of {self.chunk_bytes} B): the ranks disagree on the pool")
             self._adopt(mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                   offset=ALIGN), touch=create)  # the creator allocates every page
             if create:
@@ -139,13 +151,14 @@ class SharedHostPool(HostPool):
                 made.unlink(missing_ok=True)
 
     @classmethod
-    def create(cls, path: str | os.PathLike, num_chunks: int, chunk_bytes: int) -> SharedHostPool:
+    def create(cls, path: str | os.PathLike, num_chunks: int, chunk_bytes: int,
+               trailer_bytes: int = 0) -> SharedHostPool:
         """A new pool file (refused if one exists: it may be another node's)."""
-        return cls(path, num_chunks, chunk_bytes, create=True)
+        return cls(path, num_chunks, chunk_bytes, create=True, trailer_bytes=trailer_bytes)
 
     @classmethod
     def open(cls, path: str | os.PathLike, num_chunks: int | None = None, chunk_bytes: int | None = None,
-             wait_s: float = 0.0) -> SharedHostPool:
+             wait_s: float = 0.0, trailer_bytes: int = 0) -> SharedHostPool:
         """The pool another rank created, checked to have the given geometry
         (None: whatever it has); waits up to wait_s for it to appear."""
         if num_chunks is None or chunk_bytes is None:
@@ -153,7 +166,7 @@ class SharedHostPool(HostPool):
             num_chunks, chunk_bytes = num_chunks or have[0], chunk_bytes or have[1]
         else:
             _wait_for(Path(path), wait_s)
-        return cls(path, num_chunks, chunk_bytes, create=False)
+        return cls(path, num_chunks, chunk_bytes, create=False, trailer_bytes=trailer_bytes)
 
     @staticmethod
     def geometry(path: str | os.PathLike, wait_s: float = 0.0) -> tuple[int, int]:

@@ -22,7 +22,7 @@ PATIENT = dict(rpc_timeout_s=30.0, connect_timeout_s=10.0, lookup_deadline_s=30.
 
 def make_tier(srv, prefix: str, num_chunks: int = 32, chunk_bytes: int = 64 << 10, **cfg):
     """A tier lending no memory (segment_bytes 0): the store node holds the data, so it outlives us."""
-    pool = HostPool(num_chunks, chunk_bytes)
+    pool = HostPool(num_chunks, chunk_bytes, trailer_bytes=MooncakeTier.POOL_TRAILER_BYTES)
     ns = Namespace(model="tiny", dtype="bf16", layout="canon", block_size=16, chunk_bytes=pool.used_chunk_bytes)
     tier = MooncakeTier(srv.tier_config(key_prefix=prefix, **{"segment_bytes": 0, **PATIENT, **cfg}), ns)
     return tier, tier.get_manager(), tier.get_worker(pool), pool

@@ -30,7 +30,7 @@ def _replace(raw, key: str, value: bytes) -> None:
     assert raw.put(key, value) == 0
 
 
-@pytest.mark.parametrize("how", ["flip_payload", "flip_header", "truncate", "foreign", "other_key"])
+@pytest.mark.parametrize("how", ["flip_payload", "flip_header", "truncate", "foreign", "other_key", "header_first"])
 def test_damaged_value_is_a_miss(mooncake, raw, prefix, how):
     chunk = 8192
     tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=8, chunk_bytes=chunk)
@@ -40,15 +40,17 @@ def test_damaged_value_is_a_miss(mooncake, raw, prefix, how):
         assert store(m, w, keys, [0, 1, 2])
         rkey = tier.keyspace.redis_key(keys[1])
         good = raw.get(rkey)
-        assert len(good) == HEADER_BYTES + chunk
+        assert len(good) == chunk + HEADER_BYTES and good[chunk:chunk + 4] == b"KVOF"  # chunk, then header
         if how == "flip_payload":
             v = bytearray(good)
-            v[HEADER_BYTES + 1000] ^= 0x40
+            v[1000] ^= 0x40
             bad = bytes(v)
-        elif how == "flip_header":
-            bad = b"KVOX" + good[4:]
+        elif how == "flip_header":  # the header is the value's last 48 bytes
+            bad = good[:chunk] + b"KVOX" + good[chunk + 4:]
         elif how == "truncate":
             bad = good[:-1]
+        elif how == "header_first":  # the layout before the trailer (same length): not ours
+            bad = good[chunk:] + good[:chunk]
         elif how == "foreign":
             bad = b"hello, not a KV chunk"
         else:  # a valid value of another key, copied here
@@ -82,7 +84,7 @@ def test_damage_in_a_later_round_fails_the_job_once(mooncake, raw, prefix):
         assert store(m, w, keys, list(range(5)))
         rkey = tier.keyspace.redis_key(keys[4])
         v = bytearray(raw.get(rkey))
-        v[HEADER_BYTES + 5] ^= 1
+        v[5] ^= 1
         _replace(raw, rkey, bytes(v))
         spec = m.prepare_load(keys, CTX)
         assert w.submit_load(91, spec, CPULoadStoreSpec(list(range(5, 10))))

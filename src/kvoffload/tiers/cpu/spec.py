@@ -108,6 +108,7 @@ class CPUOffloadingSpec(OffloadingSpec):
             raise ConfigError(f"shared_pool_path must be a file path, got {path!r}")
         self.shared_pool_path: str | None = path
         self.shared_pool = None  # the SharedHostPool this process's worker uses, if any
+        self.pool_trailer_bytes = 0  # room after each pool chunk a secondary tier asks for (the tiered spec sets it)
         self._manager = None
         self._worker = None
         # A private pool is refused now if it cannot fit; a shared one when its file is made
@@ -146,7 +147,7 @@ class CPUOffloadingSpec(OffloadingSpec):
             if pool and self.cpu_bytes_to_use is not None:
                 check_fits_in_memory(self.cpu_bytes_to_use, f"cpu_bytes_to_use={self.cpu_bytes_to_use}")
             return
-        slot = align_up(chunk_bytes) if pool and chunk_bytes else 0
+        slot = align_up(chunk_bytes + self.pool_trailer_bytes) if pool and chunk_bytes else 0
         what = f"a CPU tier of {self.num_chunks} chunks" + (f" of {slot} bytes" if slot else "")
         check_fits_in_memory(self.num_chunks * (slot + MANAGER_BYTES_PER_CHUNK), what)
 
@@ -197,7 +198,8 @@ class CPUOffloadingSpec(OffloadingSpec):
         self._check_memory(chunk_bytes, pool=self.shared_pool_path is None or self.parallel.tp_rank == 0)
         pool = self._shared_pool(kv_caches, chunk_bytes) if self.shared_pool_path is not None else None
         try:
-            self._worker = CPUOffloadingWorker(kv_caches, self.config, self.num_chunks, pool=pool)
+            self._worker = CPUOffloadingWorker(kv_caches, self.config, self.num_chunks, pool=pool,
+                                               trailer_bytes=self.pool_trailer_bytes)
         except BaseException:
             if pool is not None:
                 pool.close()
@@ -216,8 +218,9 @@ class CPUOffloadingSpec(OffloadingSpec):
             raise ConfigError(f"shared_pool_path={self.shared_pool_path!r} needs canonical pages "
                               f"(all KV heads of a block in one page): {e}") from None
         if self.parallel.tp_rank == 0:
-            return SharedHostPool.create(self.shared_pool_path, self.num_chunks, chunk_bytes)
-        return SharedHostPool.open(self.shared_pool_path, self.num_chunks, chunk_bytes, wait_s=POOL_WAIT_S)
+            return SharedHostPool.create(self.shared_pool_path, self.num_chunks, chunk_bytes, self.pool_trailer_bytes)
+        return SharedHostPool.open(self.shared_pool_path, self.num_chunks, chunk_bytes, wait_s=POOL_WAIT_S,
+                                   trailer_bytes=self.pool_trailer_bytes)
 
     def take_pool_geometry(self) -> None:
         """Chunk count and size from the pool file the workers made (for a

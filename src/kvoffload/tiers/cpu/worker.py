@@ -37,9 +37,10 @@ class CPUOffloadingWorker(OffloadingWorker):
     """Moves chunks between the engine's KV caches and a HostPool."""
 
     def __init__(self, kv_caches: CanonicalKVCaches, config: OffloadingConfig, num_chunks: int,
-                 pool: HostPool | None = None):
+                 pool: HostPool | None = None, trailer_bytes: int = 0):
         """`pool`: a HostPool shared with the other TP ranks of this node
-        (every ref must then be parallelism-agnostic); None: one of our own."""
+        (every ref must then be parallelism-agnostic); None: one of our own,
+        with trailer_bytes of room after each chunk (HostPool's)."""
         check_config_offloadable(config)
         self.kv_caches = kv_caches
         self.config = config
@@ -64,11 +65,11 @@ class CPUOffloadingWorker(OffloadingWorker):
                 raise ValueError(f"shared pool has {pool.num_chunks} chunks of {pool.chunk_bytes} B; "
                                  f"need {num_chunks} of {self.chunk_bytes} B")
         # the planner checks the refs before any memory is taken
-        slot_bytes = pool.chunk_bytes if pool is not None else align_up(self.chunk_bytes)  # HostPool's rule
+        slot_bytes = pool.chunk_bytes if pool is not None else align_up(self.chunk_bytes + trailer_bytes)  # HostPool's rule
         self.planner = CopyPlanner(kv_caches, config, self.layout, num_chunks, slot_bytes,
                                    shared_pool=self.shared_pool, strided=not self.use_cuda)
         try:
-            self.pool = pool if pool is not None else HostPool(num_chunks, self.chunk_bytes)
+            self.pool = pool if pool is not None else HostPool(num_chunks, self.chunk_bytes, trailer_bytes)
         except (OSError, ValueError, OverflowError) as e:
             raise ValueError(f"cannot allocate a host pool of {num_chunks} chunks x {self.chunk_bytes} "
                              f"bytes: {e}") from None

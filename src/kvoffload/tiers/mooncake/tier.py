@@ -27,12 +27,14 @@ from kvoffload.tiers.mooncake.keys import MooncakeKeySpace
 from kvoffload.tiers.mooncake.manager import MooncakeOffloadingManager
 from kvoffload.tiers.mooncake.worker import MooncakeTierWorker
 from kvoffload.tiers.remote.state import SharedState
-from kvoffload.tiers.remote.value import ValueCodec
+from kvoffload.tiers.remote.value import HEADER_BYTES, ValueCodec
 
 
 class MooncakeTier(SecondaryTier):
     medium = Medium.CPU
     locality = Locality.REMOTE
+    # each value's header goes after its chunk in the slot: chunk + header move as one buffer
+    POOL_TRAILER_BYTES = HEADER_BYTES
 
     def __init__(self, config: MooncakeConfig | Mapping[str, Any] | None, namespace: Namespace,
                  name: str = "mooncake", enable_events: bool = False):
@@ -65,7 +67,7 @@ class MooncakeTier(SecondaryTier):
     def get_worker(self, pool: HostPool) -> MooncakeTierWorker:
         if self._worker is None:
             ns_bytes = self.namespace.chunk_bytes
-            if ns_bytes and align_up(ns_bytes) != pool.chunk_bytes:
+            if ns_bytes and align_up(ns_bytes) != align_up(pool.used_chunk_bytes):
                 raise ValueError(f"mooncake tier: namespace says {ns_bytes}-byte chunks, "
                                  f"host pool holds {pool.used_chunk_bytes}")
             self._worker = MooncakeTierWorker(pool, self.client, self.config, self.state, self.codec)

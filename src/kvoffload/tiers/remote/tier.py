@@ -69,7 +69,7 @@ class RemoteTier(SecondaryTier):
     def get_worker(self, pool: HostPool) -> RemoteTierWorker:
         if self._worker is None:
             ns_bytes = self.namespace.chunk_bytes
-            if ns_bytes and align_up(ns_bytes) != pool.chunk_bytes:
+            if ns_bytes and align_up(ns_bytes) != align_up(pool.used_chunk_bytes):  # slots may keep trailer room
                 raise ValueError(f"remote tier: namespace says {ns_bytes}-byte chunks, "
                                  f"host pool holds {pool.used_chunk_bytes}")
             self._worker = RemoteTierWorker(pool, self.client, self.config, self.state, self.codec)
