@@ -159,7 +159,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         if "admission" in conf:
             admission = make_admission(conf["admission"], threshold if "store_threshold" in conf else None,
                                        f"{where}.admission")
-        ctx = TierContext(i, name, self.namespace(), align_up(self.kv_bytes_per_chunk + self.cpu.pool_trailer_bytes),
+        ctx = TierContext(i, name, self.namespace(), align_up(self.kv_bytes_per_chunk),
                           self.kv_events_config.enable_kv_cache_events)
         backend = cls.from_config({k: v for k, v in conf.items() if k not in TIER_KEYS}, ctx)
         return Tier(backend, threshold, depth, admission)

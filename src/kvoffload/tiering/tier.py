@@ -34,7 +34,7 @@ class TierContext:
     index: int  # position in secondary_tiers (for error messages)
     name: str  # unique name; also the `ownership` of its events
     namespace: Namespace
-    chunk_bytes: int  # host-pool slot size (4 KiB aligned): one chunk per key
+    chunk_bytes: int  # a chunk's bytes rounded up to 4 KiB, one chunk per key (a pool slot may be longer)
     enable_events: bool
 
 

@@ -28,7 +28,7 @@ from collections import deque
 import xxhash
 
 from kvoffload.abstractions import CPULoadStoreSpec, LoadStoreSpec, TransferResult
-from kvoffload.tiers.base import TierWorker
+from kvoffload.tiers.base import TierWorker, align_up
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.storage.manager import StorageLoadStoreSpec
 from kvoffload.tiers.storage.store import SlabStore
@@ -55,8 +55,10 @@ class _Job:
 
 class StorageWorker(TierWorker):
     def __init__(self, store: SlabStore, pool: HostPool, io_threads: int = 4):
-        if pool.chunk_bytes != store.slot_bytes:
-            raise ValueError(f"host pool chunks are {pool.chunk_bytes} bytes but storage slots "
+        # a pool slot may be longer (trailer room another tier keeps after the chunk): only its first
+        # slot_bytes are written and read, so the files' format does not depend on the other tiers
+        if store.slot_bytes != align_up(pool.used_chunk_bytes):
+            raise ValueError(f"host pool chunks are {pool.used_chunk_bytes} bytes but storage slots "
                              f"are {store.slot_bytes}: build both from the same chunk size")
         self.store = store
         self.pool = pool
@@ -167,7 +169,7 @@ class StorageWorker(TierWorker):
             if not job.ok:
                 return
             fd, off = self.store.locate(job.slots[i])
-            buf = self.pool.chunk_memoryview(job.chunks[i])
+            buf = self.pool.chunk_memoryview(job.chunks[i])[:size]
             if job.is_store:
                 job.checksums[i] = xxhash.xxh3_64_intdigest(buf)
                 if os.pwritev(fd, [buf], off) != size:
