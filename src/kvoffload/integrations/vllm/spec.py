@@ -164,7 +164,7 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
         if _has_secondary_tiers(self.inner):
             self._scheduler_pool = SharedHostPool.open(
                 self.inner.shared_pool_path, self.inner.num_chunks, self.inner.kv_bytes_per_chunk,
-                trailer_bytes=self.inner.cpu.pool_trailer_bytes)
+                trailer_bytes=getattr(getattr(self.inner, "cpu", None), "pool_trailer_bytes", 0))
             self.inner.attach_tier_workers(self._scheduler_pool)
         if self._own_pool_path:
             Path(self.inner.shared_pool_path).unlink(missing_ok=True)
