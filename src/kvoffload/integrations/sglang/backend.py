@@ -59,10 +59,11 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             raise RuntimeError("kvoffload SGLang backend: a host pool is already registered")
         super().register_mem_pool_host(mem_pool_host)
         fmt = PageFormat.of(mem_pool_host)
-        half = max(1, min(MAX_STAGING_PAGES, self.config.staging_bytes // (2 * align_up(fmt.page_bytes))))
-        staging = HostPool(2 * half, fmt.page_bytes)
+        trailer = self.config.pool_trailer_bytes
+        half = max(1, min(MAX_STAGING_PAGES, self.config.staging_bytes // (2 * align_up(fmt.page_bytes + trailer))))
+        staging = HostPool(2 * half, fmt.page_bytes, trailer)
         namespace = fmt.namespace(self.model, parallel_layout(self.storage_config, self.config.tier_type))
-        tier = self.config.build_tier(namespace, staging.chunk_bytes)
+        tier = self.config.build_tier(namespace, align_up(fmt.page_bytes))
         try:
             io = TierIO(tier, staging)
         except BaseException:  # e.g. a worker refused: close what the tier opened (a storage dir's lock)

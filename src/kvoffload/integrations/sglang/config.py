@@ -70,9 +70,17 @@ class BackendConfig:
             raise ConfigError(f"{SECTION}.model must be a non-empty string, got {model!r}")
         return cls(tier_type, conf, staging, job, model)
 
-    def build_tier(self, namespace: Namespace, chunk_bytes: int) -> SecondaryTier:
+    def tier_class(self) -> type:
         module, _, name = TIER_CLASSES[self.tier_type].partition(":")
-        tier_class = getattr(importlib.import_module(module), name)
+        return getattr(importlib.import_module(module), name)
+
+    @property
+    def pool_trailer_bytes(self) -> int:
+        """Room the tier keeps after each staging chunk (Mooncake: its value header)."""
+        return getattr(self.tier_class(), "POOL_TRAILER_BYTES", 0)
+
+    def build_tier(self, namespace: Namespace, chunk_bytes: int) -> SecondaryTier:
+        tier_class = self.tier_class()
         ctx = TierContext(0, f"sglang-{self.tier_type}", namespace, chunk_bytes)
         return tier_class.from_config(dict(self.tier_config), ctx)
 
