@@ -62,6 +62,11 @@ class StorageWorker(TierWorker):
                              f"are {store.slot_bytes}: build both from the same chunk size")
         self.store = store
         self.pool = pool
+        # a slot's padding after the chunk is hashed as zeros: another tier (Mooncake's trailer) may
+        # write there while this tier stores the slot; with no such writer it is zeros anyway, so
+        # files written before are read the same
+        self._used = pool.used_chunk_bytes
+        self._zeros = bytes(store.slot_bytes - self._used)
         self.io_threads = max(1, io_threads)
         self._tasks: queue.SimpleQueue = queue.SimpleQueue()
         self._finished: deque[TransferResult] = deque()
@@ -171,17 +176,26 @@ class StorageWorker(TierWorker):
             fd, off = self.store.locate(job.slots[i])
             buf = self.pool.chunk_memoryview(job.chunks[i])[:size]
             if job.is_store:
-                job.checksums[i] = xxhash.xxh3_64_intdigest(buf)
+                job.checksums[i] = self._checksum(buf)
                 if os.pwritev(fd, [buf], off) != size:
                     raise OSError(f"short write to storage slot {job.slots[i]}")
             else:
                 expected = self.store.expected_checksum(job.slots[i])
                 if os.preadv(fd, [buf], off) != size:
                     raise OSError(f"short read from storage slot {job.slots[i]}")
-                if expected is None or xxhash.xxh3_64_intdigest(buf) != expected:
+                if expected is None or self._checksum(buf) != expected:
                     log.warning("storage slot %d: checksum mismatch, dropped", job.slots[i])
                     self.store.report_corrupt(job.slots[i])
                     job.ok = False
+
+    def _checksum(self, buf: memoryview) -> int:
+        """xxh3 of the chunk followed by zeros to the slot's end (the padding may hold another tier's bytes)."""
+        if not self._zeros:
+            return xxhash.xxh3_64_intdigest(buf)
+        h = xxhash.xxh3_64()
+        h.update(buf[: self._used])
+        h.update(self._zeros)
+        return h.intdigest()
 
     def _run_commits(self) -> None:
         """Group commit: everything waiting shares one round of syncs."""
