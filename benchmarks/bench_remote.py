@@ -53,15 +53,14 @@ from pathlib import Path
 import numpy as np
 import redis
 
-from kvoffload.abstractions import CPULoadStoreSpec
 from kvoffload.config import parse_bytes
 from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.remote import RemoteTier
 from kvoffload.tiers.remote.server import LocalServer, find_benchmark_binary
 from kvoffload.replay.traces import shared_trace_path
-from kvoffload.tiers.remote.value import RemoteLoadStoreSpec
 from mooncake_bandwidth import mooncake_bandwidth, print_mooncake
+from mooncake_bandwidth import ours as time_jobs  # one worker, jobs submitted at once
 
 TRACE = shared_trace_path()
 
@@ -126,21 +125,9 @@ def drive(tier, pool: HostPool, n: int, batch_chunks: int, shutdown: bool = True
     keys = [i.to_bytes(8, "big") + b"\0\0\0\0" for i in range(n)]
     rkeys = tier.keyspace.redis_keys(keys)
     res = {}
-    for name in ("store", "load"):
+    for name, op in (("store", "put"), ("load", "get")):
         per_job = batch_chunks if name == "store" or not load_chunks else load_chunks
-        jobs = [list(range(a, min(n, a + per_job))) for a in range(0, n, per_job)]
-        t0 = time.perf_counter()
-        for j, slots in enumerate(jobs):
-            spec = RemoteLoadStoreSpec([rkeys[s] for s in slots], [keys[s] for s in slots])
-            if name == "store":
-                assert worker.submit_store(j, CPULoadStoreSpec(slots), spec)
-            else:
-                assert worker.submit_load(j, spec, CPULoadStoreSpec(slots))
-        worker.wait(set(range(len(jobs))))
-        dt = time.perf_counter() - t0
-        done = worker.get_finished()
-        assert all(r.success for r in done), f"{name}: {sum(not r.success for r in done)} jobs failed"
-        res[name] = n * pool.used_chunk_bytes / dt / 1e9
+        res[name] = n * pool.used_chunk_bytes / time_jobs(worker, op, rkeys, keys, range(n), per_job) / 1e9
     if shutdown:
         tier.shutdown()
     return res
