@@ -29,6 +29,11 @@ import torch
 from kvoffload.tiers.base import ALIGN, align_up
 
 
+def slot_bytes(chunk_bytes: int, trailer_bytes: int = 0) -> int:
+    """A pool slot's stride: the chunk and the room kept after it, rounded up to 4 KiB (O_DIRECT)."""
+    return align_up(chunk_bytes + trailer_bytes)
+
+
 class HostPool:
     """num_chunks fixed-size chunk slots in one anonymous, page-aligned mmap.
 
@@ -48,7 +53,7 @@ class HostPool:
         if trailer_bytes < 0:
             raise ValueError(f"trailer_bytes must be >= 0, got {trailer_bytes}")
         self.num_chunks = num_chunks
-        self.chunk_bytes = align_up(chunk_bytes + trailer_bytes)
+        self.chunk_bytes = slot_bytes(chunk_bytes, trailer_bytes)
         self.used_chunk_bytes = chunk_bytes
         self.trailer_bytes = trailer_bytes
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
@@ -115,7 +120,7 @@ class SharedHostPool(HostPool):
                              f"(trailer {trailer_bytes})")
         self.path, self.owner = Path(path), create
         self.num_chunks = num_chunks
-        self.chunk_bytes = align_up(chunk_bytes + trailer_bytes)  # HostPool's rule
+        self.chunk_bytes = slot_bytes(chunk_bytes, trailer_bytes)
         self.used_chunk_bytes = chunk_bytes
         self.trailer_bytes = trailer_bytes
         size = self.num_chunks * self.chunk_bytes

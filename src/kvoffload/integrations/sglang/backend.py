@@ -27,7 +27,7 @@ from kvoffload.integrations.sglang.config import BackendConfig, parallel_layout
 from kvoffload.integrations.sglang.pages import PageCopier, PageFormat, key_bytes
 from kvoffload.integrations.sglang.tier_io import TierIO
 from kvoffload.tiers.base import align_up
-from kvoffload.tiers.host_pool import HostPool
+from kvoffload.tiers.host_pool import HostPool, slot_bytes
 
 log = logging.getLogger(__name__)
 MAX_STAGING_PAGES = 128  # SGLang's STORAGE_BATCH_SIZE: more slots than one call uses would idle
@@ -60,7 +60,7 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         fmt = PageFormat.of(mem_pool_host)
         trailer = self.config.pool_trailer_bytes
-        half = max(1, min(MAX_STAGING_PAGES, self.config.staging_bytes // (2 * align_up(fmt.page_bytes + trailer))))
+        half = max(1, min(MAX_STAGING_PAGES, self.config.staging_bytes // (2 * slot_bytes(fmt.page_bytes, trailer))))
         staging = HostPool(2 * half, fmt.page_bytes, trailer)
         namespace = fmt.namespace(self.model, parallel_layout(self.storage_config, self.config.tier_type))
         tier = self.config.build_tier(namespace, align_up(fmt.page_bytes))

@@ -56,7 +56,7 @@ from kvoffload.geometry import (
 )
 from kvoffload.layout import ParallelLayout, check_config_offloadable
 from kvoffload.policies import get_policy_class
-from kvoffload.tiers.base import align_up
+from kvoffload.tiers.host_pool import slot_bytes
 
 # How long a process waits for TP rank 0 to make the shared pool file
 # (ranks start together, but a loaded node is slow).
@@ -147,7 +147,7 @@ class CPUOffloadingSpec(OffloadingSpec):
             if pool and self.cpu_bytes_to_use is not None:
                 check_fits_in_memory(self.cpu_bytes_to_use, f"cpu_bytes_to_use={self.cpu_bytes_to_use}")
             return
-        slot = align_up(chunk_bytes + self.pool_trailer_bytes) if pool and chunk_bytes else 0
+        slot = slot_bytes(chunk_bytes, self.pool_trailer_bytes) if pool and chunk_bytes else 0
         what = f"a CPU tier of {self.num_chunks} chunks" + (f" of {slot} bytes" if slot else "")
         check_fits_in_memory(self.num_chunks * (slot + MANAGER_BYTES_PER_CHUNK), what)
 

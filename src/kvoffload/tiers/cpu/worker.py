@@ -25,8 +25,7 @@ from kvoffload.abstractions import (
 from kvoffload.config import OffloadingConfig
 from kvoffload.layout import check_config_offloadable, check_shareable
 from kvoffload.tiers.cpu.plan import LOAD, STORE, CopyPlanner, chunk_layout
-from kvoffload.tiers.base import align_up
-from kvoffload.tiers.host_pool import HostPool
+from kvoffload.tiers.host_pool import HostPool, slot_bytes
 
 __all__ = ["CPUOffloadingWorker", "chunk_layout", "STORE", "LOAD"]
 
@@ -65,8 +64,8 @@ class CPUOffloadingWorker(OffloadingWorker):
                 raise ValueError(f"shared pool has {pool.num_chunks} chunks of {pool.chunk_bytes} B; "
                                  f"need {num_chunks} of {self.chunk_bytes} B")
         # the planner checks the refs before any memory is taken
-        slot_bytes = pool.chunk_bytes if pool is not None else align_up(self.chunk_bytes + trailer_bytes)  # HostPool's rule
-        self.planner = CopyPlanner(kv_caches, config, self.layout, num_chunks, slot_bytes,
+        stride = pool.chunk_bytes if pool is not None else slot_bytes(self.chunk_bytes, trailer_bytes)
+        self.planner = CopyPlanner(kv_caches, config, self.layout, num_chunks, stride,
                                    shared_pool=self.shared_pool, strided=not self.use_cuda)
         try:
             self.pool = pool if pool is not None else HostPool(num_chunks, self.chunk_bytes, trailer_bytes)
