@@ -79,7 +79,7 @@ def bad_calls(stored, pending, pinned, bad, at):
         ("complete_store", pending[:at] + [unknown] + pending[at:]),
     ]
     if not isinstance(bad, bytes):  # lookup and touch check types only (hot path): a short key is unknown
-        calls += [("lookup", bad), ("touch", with_bad(stored))]
+        calls += [("lookup", bad), ("lookup_prefix", with_bad(stored)), ("touch", with_bad(stored))]
     if pending:
         calls.append(("prepare_load", stored[:at] + [pending[0]] + stored[at:]))  # still being written
     if unpinned:

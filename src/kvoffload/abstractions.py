@@ -12,11 +12,12 @@ and are re-exported here, so every contract imports from this module.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
+from kvoffload.keys import check_key
 from kvoffload.keys import (  # re-exported: the keys are part of the contract
     OffloadKey,
     get_offload_block_hash,
@@ -286,6 +287,25 @@ class OffloadingManager(ABC):
     def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
         """HIT if held and readable, HIT_PENDING if held but not readable yet,
         MISS if not held, RETRY if the answer is not known yet."""
+
+    def lookup_prefix(
+        self, keys: Sequence[OffloadKey], req_context: ReqContext
+    ) -> tuple[int, LookupResult | None]:
+        """lookup() of keys in order up to the first answer that is not HIT:
+        (how many leading keys are HITs, the answer that ended the run or None
+        if every key hit). Same answers and counters as the calls one by one;
+        a tier may answer it in one pass (the CPU tier does). A key that is
+        not bytes raises before anything is looked up or counted."""
+        for k in keys:
+            if type(k) is not bytes:
+                check_key(k)
+        n = 0
+        for k in keys:
+            r = self.lookup(k, req_context)
+            if r is not LookupResult.HIT:
+                return n, r
+            n += 1
+        return n, None
 
     @abstractmethod
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> LoadStoreSpec:

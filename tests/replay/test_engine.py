@@ -385,3 +385,17 @@ def test_keys_share_the_objects_of_the_last_request_with_the_same_head(mooncake_
         assert got[5][1] is got[3][1] and got[5][3] is not got[2][3]
     finally:
         engine.close()
+
+
+def test_gpu_hands_out_the_lowest_free_slots_ascending():
+    # a request's blocks lie in one stretch whenever the free slots allow, so fills and copies run over rows
+    from kvoffload.replay.gpu import GPUBlocks
+
+    gpu = GPUBlocks(8, 64, cache_blocks=0, shared=False)
+    first = gpu.allocate(5)
+    assert first == [0, 1, 2, 3, 4]
+    gpu.release([3, 0, 4])  # released in any order
+    assert gpu.allocate(2) == [0, 3]
+    assert gpu.allocate(4) == [4, 5, 6, 7]
+    assert gpu.allocate(1) is None  # none left: nothing taken
+    assert sorted(gpu.free) == []

@@ -108,6 +108,7 @@ class ReplayResult:
     idle_s: float
     cpu_s: float  # CPU time of the process (all threads) during the run
     oracle: dict[str, float] = field(default_factory=dict)
+    manager_calls_s: dict[str, float] = field(default_factory=dict)  # manager_s by method
 
     @property
     def harness_s(self) -> float:
@@ -313,6 +314,7 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
             timeline=self.timeline,
             wall_s=wall, manager_s=self.mgr.seconds, worker_s=self.wrk.seconds,
             content_s=self._content.seconds, idle_s=self._idle.seconds, cpu_s=cpu,
+            manager_calls_s=dict(sorted(self.mgr.by_call.items(), key=lambda kv: -kv[1])),
         )
 
     def _idle_wait(self) -> None:

@@ -56,6 +56,7 @@ def summary(r: ReplayResult) -> dict[str, Any]:
         "prefill_saved_by_gpu_cache_s": c["gpu_hit_tokens"] / prefill,
         "wall_s": r.wall_s,
         "manager_s": r.manager_s,
+        "manager_calls_s": r.manager_calls_s,
         "worker_s": r.worker_s,
         "idle_s": r.idle_s,
         "cpu_s": r.cpu_s,

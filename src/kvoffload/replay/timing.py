@@ -22,7 +22,6 @@ import numpy as np
 from kvoffload.abstractions import LookupResult
 
 _perf = time.perf_counter
-_HIT = LookupResult.HIT
 _MISS = LookupResult.MISS
 
 
@@ -34,6 +33,7 @@ class TimedManager:
         self.seconds = 0.0
         self.per_block = array("d")  # per call: seconds / blocks
         self.blocks = array("q")  # per call: blocks
+        self.by_call: dict[str, float] = {}  # seconds per method name
 
     def _timed(self, name: str, n: int, *args, **kwargs):
         t0 = _perf()
@@ -42,31 +42,25 @@ class TimedManager:
         finally:
             dt = _perf() - t0
             self.seconds += dt
+            self.by_call[name] = self.by_call.get(name, 0.0) + dt
             self.per_block.append(dt / (n or 1))
             self.blocks.append(n or 1)
 
     def lookup_prefix(self, keys: Sequence[bytes], ctx) -> tuple[int, bytes | None]:
-        """lookup() of keys in prefix order up to the first non-HIT, timed as
-        one call of len(keys) blocks: (leading hits, the key that answered
-        HIT_PENDING or RETRY, or None if the run ended on a MISS or the end)."""
-        lookup = self.inner.lookup
-        n, pending = 0, None
+        """The manager's lookup_prefix() (lookup() of keys in prefix order up
+        to the first non-HIT), timed as one call of len(keys) blocks: (leading
+        hits, the key that answered HIT_PENDING or RETRY, or None if the run
+        ended on a MISS or the end)."""
         t0 = _perf()
-        for k in keys:
-            r = lookup(k, ctx)
-            if r is _HIT:
-                n += 1
-                continue
-            if r is not _MISS:
-                pending = k
-            break
+        n, r = self.inner.lookup_prefix(keys, ctx)
         dt = _perf() - t0
         self.seconds += dt
+        self.by_call["lookup"] = self.by_call.get("lookup", 0.0) + dt
         if keys:
             looked = min(n + 1, len(keys))  # the hits and the lookup that ended the run
             self.per_block.append(dt / looked)
             self.blocks.append(looked)
-        return n, pending
+        return n, (keys[n] if r is not None and r is not _MISS else None)
 
     def ns_per_block(self) -> dict[str, float]:
         """p50, p99 and mean of the manager's nanoseconds per block, over blocks."""

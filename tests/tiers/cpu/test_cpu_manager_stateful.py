@@ -158,6 +158,19 @@ class ManagerMachine(RuleBasedStateMachine):
         expected = {None: LookupResult.MISS, "pending": LookupResult.HIT_PENDING, "ready": LookupResult.HIT}
         assert self.m.lookup(key, None) is expected[self.state.get(key)]
 
+    @rule(keys=key_lists)
+    def lookup_prefix(self, keys):
+        # the one-pass prefix lookup answers and counts as lookup() key by key up to the first non-HIT
+        expected = {None: LookupResult.MISS, "pending": LookupResult.HIT_PENDING, "ready": LookupResult.HIT}
+        answers = [expected[self.state.get(k)] for k in keys]
+        n = next((i for i, a in enumerate(answers) if a is not LookupResult.HIT), len(keys))
+        end = answers[n] if n < len(keys) else None
+        self.m.get_stats()  # zero the counters
+        assert self.m.lookup_prefix(keys, None) == (n, end)
+        c = self.m.get_stats().counters
+        assert (c["hits"], c["hits_pending"], c["misses"]) == (
+            n, int(end is LookupResult.HIT_PENDING), int(end is LookupResult.MISS))
+
     @invariant()
     def bookkeeping_matches_model(self):
         m = self.m

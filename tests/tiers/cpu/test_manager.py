@@ -496,3 +496,17 @@ def test_without_key_positions_a_request_ranks_in_its_prepare_store_order(policy
     if not finish_first:
         m.on_request_finished(r)
     assert _evict_one_by_one(m, 6) == ks[::-1]
+
+
+@pytest.mark.parametrize("bad", [[1, 2], "not bytes", None], ids=["unhashable", "str", "none"])
+def test_lookup_prefix_refuses_a_bad_key_as_lookup_does(bad):
+    m = CPUOffloadingManager(4)
+    good = make_offload_key(b"a", 0)
+    m.prepare_store([good], None)
+    m.complete_store([good], None)
+    with pytest.raises(Exception) as one:
+        m.lookup(bad, None)
+    m.get_stats()
+    with pytest.raises(one.type):
+        m.lookup_prefix([good, bad], None)
+    assert m.get_stats().counters["lookups"] == 0  # a call that raises counts nothing

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 
 from kvoffload.abstractions import (
     CPULoadStoreSpec,
@@ -126,6 +126,34 @@ class CPUOffloadingManager(OffloadingManager):
             return _PENDING
         self._hits += 1
         return _HIT
+
+    def lookup_prefix(self, keys: Sequence[OffloadKey], req_context: ReqContext | None = None):
+        # lookup() key by key, in C-level passes: a request's leading hits are
+        # most of the keys a replay or a scheduler ever looks up.
+        try:
+            slots = list(map(self._slot_of.get, keys))
+        except TypeError:  # an unhashable key: raise as lookup() does, having counted nothing
+            check_keys(list(keys))
+            raise
+        try:
+            n = slots.index(None)
+        except ValueError:
+            n = len(slots)
+        else:
+            del slots[n:]
+        state = self._state
+        if PENDING in map(state.__getitem__, slots):
+            n = list(map(state.__getitem__, slots)).index(PENDING)
+            self._hits += n
+            self._hits_pending += 1
+            return n, _PENDING
+        if n < len(keys) and type(keys[n]) is not bytes:
+            check_key(keys[n])  # raises before anything is counted
+        self._hits += n
+        if n == len(keys):
+            return n, None
+        self._misses += 1
+        return n, _MISS
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> LoadStoreSpec:
         slot_of, state = self._slot_of, self._state
