@@ -2,6 +2,7 @@
 and a directory replayed end to end through the CLI."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -187,6 +188,9 @@ def test_stagger_option_sets_the_interleaving(tmp_path, capsys):
     ('{"requests": 5}', r"bad.json: requests must be a list of requests, got int"),
     ('{"requests": [{"t": 0, "type": "n", "in": 8, "out": 1, "hash_ids": [1, "x"]}]}',
      r"bad.json: requests\[0\]: hash_ids must hold integers"),
+    *[('{"requests": [{"t": 0, "type": "n", "in": 8, "out": 1, "hash_ids": [1, %s]}]}' % v,
+       r"bad.json: requests\[0\]: hash_ids must hold integers in \[0, 2\*\*64\), got " + re.escape(shown))
+      for v, shown in (("-1", "-1"), (str(2**64), str(2**64)), ("1.5", "1.5"), ("true", "True"))],
     ('{"requests": [{"type": "n", "in": 8, "out": 1, "hash_ids": [1, 2]}]}',
      r"bad.json:requests\[0\]: missing field 't'"),
     ('{"requests": [{"t": 0, "type": "subagent", "requests": [{"t": 1, "in": -1}]}]}',

@@ -177,12 +177,16 @@ class _Parser:
         ids = d.get("hash_ids")
         if not isinstance(ids, list):
             raise TraceError(f"{self.f}: {at}: hash_ids must be a list of integers, got {ids!r}")
-        bad = next((v for v in ids if type(v) is not int or not 0 <= v <= MASK64), None)
-        if bad is not None:
-            raise TraceError(f"{self.f}: {at}: hash_ids must hold integers in [0, 2**64), got {bad!r}")
+        try:  # C-level checks first (this runs for every id of every request)
+            if set(map(type, ids)) - {int}:
+                raise TypeError
+            arr = np.array(ids, dtype=np.uint64)
+        except (TypeError, OverflowError):
+            bad = next(v for v in ids if type(v) is not int or not 0 <= v <= MASK64)
+            raise TraceError(f"{self.f}: {at}: hash_ids must hold integers in [0, 2**64), got {bad!r}") from None
         full, ceil = n_in // self.bs, -(-n_in // self.bs)
         if len(ids) not in (full, ceil):
             raise TraceError(f"{self.f}: {at}: hash_ids has {len(ids)} entries but in={n_in} needs "
                              f"floor({n_in}/{self.bs})={full} (full blocks) or ceil={ceil}")
-        keys = _mix64_array(np.array(ids, dtype=np.uint64) ^ self.salt).tolist()
+        keys = _mix64_array(arr ^ self.salt).tolist()
         return Request(f"{self.stem}:{len(self.out)}", arrival_ms, n_in, n_out, keys, session=agent)
