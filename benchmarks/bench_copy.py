@@ -2,11 +2,15 @@
 
 For each chunk size, stores and loads the same total bytes as randomly
 placed chunks (random GPU blocks -> random pool slots, so nothing merges)
-through CPUOffloadingWorker, and copies the same number of bytes with one
-contiguous dst.copy_(src) in the same run. Each worker run is timed between
-two reference copies and its ratio taken against them, so the swings of a
-shared machine cancel; medians over rounds are reported. Goal (issue 18):
-ratio >= 0.95 for 32-chunk jobs of chunks >= 256 KiB.
+through CPUOffloadingWorker, and copies the same number of bytes with
+contiguous dst.copy_(src) calls in the same run. Each repeat moves the
+bytes in segments (whole jobs, at least --segment-mib each) and times, per
+segment, our store, our load, a bare memmove loop over the same chunks
+("direct") and the copy_ of the segment's bytes, in an order that rotates
+from segment to segment, so that the swings of a shared machine hit every
+way alike. Ratios are the median over repeats of ours / copy_ within one
+repeat, with their interquartile range. Goal (issue 18): ratio >= 0.95 for
+32-chunk jobs of chunks >= 256 KiB.
 
     .venv/bin/python benchmarks/bench_copy.py --plot out/bench_copy.png
 """
@@ -14,6 +18,7 @@ ratio >= 0.95 for 32-chunk jobs of chunks >= 256 KiB.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import statistics
 import time
 
@@ -36,7 +41,9 @@ def parse_args():
     p.add_argument("--total-mib", type=int, default=256, help="bytes moved per measurement")
     p.add_argument("--layers", type=int, default=1, help="layers per chunk (each holds chunk/layers bytes)")
     p.add_argument("--chunks-per-job", type=int, default=32)
-    p.add_argument("--rounds", type=int, default=11)
+    p.add_argument("--rounds", type=int, default=11, help="repeats (each moves --total-mib every way)")
+    p.add_argument("--segment-mib", type=int, default=32,
+                   help="bytes of one timed segment (whole jobs); the ways alternate per segment")
     p.add_argument("--plot", help="write a PNG plot here")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the engine's KV tensors live (cuda: the worker's stream path)")
@@ -66,76 +73,94 @@ def bench_size(chunk_bytes: int, args, bar) -> dict:
     slots = rng.permutation(2 * n)[:n]
     per = args.chunks_per_job
     jobs = [(GPULoadStoreSpec(blocks[i : i + per]), CPULoadStoreSpec(slots[i : i + per])) for i in range(0, n, per)]
+    # segments: runs of whole jobs of at least --segment-mib each (one segment if a job is larger)
+    seg_jobs = max(1, -(-args.segment_mib * 2**20 // (per * chunk_bytes)))
+    segments = [range(a, min(len(jobs), a + seg_jobs)) for a in range(0, len(jobs), seg_jobs)]
+    seg_chunks = [range(s.start * per, min(n, s.stop * per)) for s in segments]
     nbytes = n * page * args.layers
-    # reference: the same bytes, one copy_ in the same direction (device <-> pinned host on CUDA)
+    # reference: the same bytes, one contiguous copy_ per segment in the same direction (device <-> pinned
+    # host on CUDA); each segment copies its own span of the reference buffers, so nothing is cache-hot
     ref_dev = torch.randint(-128, 128, (nbytes,), dtype=torch.int8, generator=gen).to(args.device)
     ref_host = torch.zeros(nbytes, dtype=torch.int8, pin_memory=args.device == "cuda")
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     job_id = 0
-    copy_seconds = {"store": [], "load": []}  # the transfer thread's own time (TransferResult)
+    thread_seconds = {"store": 0.0, "load": 0.0}  # the transfer thread's own time (TransferResult)
 
-    def run(direction):
+    def run(direction: str, seg: range) -> None:
         nonlocal job_id
         ids = set()
-        for gpu, cpu in jobs:
+        for gpu, cpu in jobs[seg.start : seg.stop]:
             job_id += 1
             ok = worker.submit_store(job_id, gpu, cpu) if direction == "store" else worker.submit_load(job_id, cpu, gpu)
             assert ok, worker.last_error
             ids.add(job_id)
         worker.wait(ids)
         results = worker.get_finished()
-        assert all(r.success for r in results) and sum(r.transfer_size for r in results) == nbytes
-        copy_seconds[direction].append(sum(r.transfer_time for r in results))
+        assert all(r.success for r in results)
+        thread_seconds[direction] += sum(r.transfer_time for r in results)
 
     # "direct": the same chunks stored by a memmove loop in this thread, no
     # worker (what random placement itself costs against one contiguous copy_)
-    import ctypes
-
     pool_base, slot = worker.pool.tensor.data_ptr(), worker.pool.chunk_bytes
     pairs = [(pool_base + int(s) * slot + layer * page, t.data_ptr() + int(b) * page)
              for b, s in zip(blocks, slots) for layer, t in enumerate(tensors)]
 
-    def direct():
+    def direct(c: range) -> None:
         mm = ctypes.memmove
-        for dst, src in pairs:
+        for dst, src in pairs[c.start * args.layers : c.stop * args.layers]:
             mm(dst, src, page)
 
-    # Each worker run sits between two reference copies; its ratio is taken
-    # against their mean, so load swings on this shared machine cancel.
-    times = {"copy_": [], "store": [], "load": [], "direct": []}
-    ratios = {"store": [], "load": [], "direct": [], "store_vs_direct": []}
-    def ref(direction):
+    def ref(direction: str, c: range) -> None:
+        a, b = c.start * page * args.layers, c.stop * page * args.layers
         dst, src = (ref_host, ref_dev) if direction != "load" else (ref_dev, ref_host)
-        return timed(lambda: (dst.copy_(src, non_blocking=True), sync()))
+        dst[a:b].copy_(src[a:b], non_blocking=True)
+        sync()
 
-    directions = ("store", "load") if args.device == "cuda" else ("store", "load", "direct")
-    run("store"), run("load"), ref("store"), ref("load")  # warm up
-    for _ in range(args.rounds):
-        for direction in directions:
-            before = ref(direction)
-            t = timed(direct if direction == "direct" else lambda: run(direction))
-            after = ref(direction)
-            times["copy_"] += [before, after]
-            times[direction].append(t)
-            ratios[direction].append((before + after) / 2 / t)
-        if "direct" in directions:  # the worker's store against the bare loop, same round
-            ratios["store_vs_direct"].append(times["direct"][-1] / times["store"][-1])
+    cuda = args.device == "cuda"
+    # each way of one segment: what it runs, given the segment's index
+    ways = {"store": lambda i: run("store", segments[i]), "load": lambda i: run("load", segments[i]),
+            "copy_": lambda i: ref("store", seg_chunks[i])}
+    if cuda:  # the reference differs by direction on a GPU
+        ways["copy_load"] = lambda i: ref("load", seg_chunks[i])
+    else:
+        ways["direct"] = lambda i: direct(seg_chunks[i])
+    names = list(ways)
+    for i in range(len(segments)):  # warm up: every way once over all the bytes
+        for name in names:
+            ways[name](i)
+    runs = []  # per repeat: GB/s of each way over all its segments
+    for rep in range(args.rounds):
+        secs = dict.fromkeys(names, 0.0)
+        thread_seconds.update(store=0.0, load=0.0)
+        for i in range(len(segments)):
+            k = (rep + i) % len(names)  # rotate the order, so swings of the machine hit every way alike
+            for name in names[k:] + names[:k]:
+                t0 = time.perf_counter()
+                ways[name](i)
+                secs[name] += time.perf_counter() - t0
+        runs.append({**{name: nbytes / t / 1e9 for name, t in secs.items()},
+                     **{f"{d}_thread": nbytes / t / 1e9 for d, t in thread_seconds.items()}})
         bar.update(1)
     # bit-exact check: the first layer's pages sit at the start of their slots
     pool_pages = worker.pool.tensor[:, :page].view(torch.int8)
     assert torch.equal(tensors[0][torch.from_numpy(blocks).to(args.device)].cpu(), pool_pages[slots])
     worker.shutdown()
-    gbps = {k: nbytes / statistics.median(v) / 1e9 for k, v in times.items() if v}
-    gbps.update({f"{k}_thread": nbytes / statistics.median(v) / 1e9 for k, v in copy_seconds.items()})
-    return {"chunk_kib": chunk_bytes // KiB, **gbps,
-            **{f"{k}_ratio": statistics.median(v) if v else float("nan") for k, v in ratios.items()}}
+    row = {"chunk_kib": chunk_bytes // KiB, "runs": runs, **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
+    # ratios: per repeat, ours against the reference of the same repeat; median and interquartile range
+    pairs_ = {"store": "copy_", "load": "copy_load" if cuda else "copy_"}
+    if not cuda:
+        pairs_.update(direct="copy_", store_vs_direct="direct")
+    for k, base in pairs_.items():
+        mine = "store" if k == "store_vs_direct" else k
+        v = [r[mine] / r[base] for r in runs]
+        q = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else [v[0]] * 3
+        row[f"{k}_ratio"], row[f"{k}_iqr"] = statistics.median(v), (q[0], q[2])
+    return row
 
 
 def bench_strategies(chunk_bytes: int, args, bar) -> dict:
     """A store of n random blocks into n random pool rows, done four ways;
     each as a ratio to the copy_ of the same bytes right before it."""
-    import ctypes
-
     n = args.total_mib * 2**20 // chunk_bytes
     gen = torch.Generator().manual_seed(chunk_bytes)
     cache = torch.randint(-128, 128, (2 * n, chunk_bytes), dtype=torch.int8, generator=gen)
@@ -192,12 +217,15 @@ def plot(rows, path):
     a.set(xscale="log", xlabel="chunk size (KiB)", ylabel="GB/s", title="CPU tier worker copy bandwidth")
     a.set_xticks(x, [str(v) for v in x])
     a.legend()
-    b.plot(x, [r["store_ratio"] for r in rows], "o-", label="store / copy_")
-    b.plot(x, [r["load_ratio"] for r in rows], "s-", label="load / copy_")
-    b.axhline(0.9, color="r", ls=":", label="goal 0.9 (>= 256 KiB)")
+    for k, style, label in (("store", "o-", "store / copy_"), ("load", "s-", "load / copy_")):
+        med = [r[f"{k}_ratio"] for r in rows]
+        lo, hi = zip(*(r[f"{k}_iqr"] for r in rows))
+        b.errorbar(x, med, yerr=[[m - q for m, q in zip(med, lo)], [q - m for m, q in zip(med, hi)]],
+                   fmt=style, capsize=3, label=label + " (median, IQR)")
+    b.axhline(0.95, color="r", ls=":", label="goal 0.95 (>= 256 KiB)")
     b.set(xscale="log", xlabel="chunk size (KiB)", ylabel="ratio", title="ratio to Tensor.copy_, same run")
     b.set_xticks(x, [str(v) for v in x])
-    b.set_ylim(0, max(1.2, max(max(r["store_ratio"], r["load_ratio"]) for r in rows) * 1.1))
+    b.set_ylim(0, max(1.2, max(max(r["store_iqr"][1], r["load_iqr"][1]) for r in rows) * 1.1))
     b.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -220,22 +248,28 @@ def main():
         for r in rows:
             print(f"{r['chunk_kib']:>5} KiB " + " ".join(f"{r[k]:>{max(len(k), 6)}.2f}" for k in names))
         return
-    print(f"\n{args.total_mib} MiB per measurement, {args.layers} layer(s) per chunk, "
-          f"{args.chunks_per_job} chunks per job, median of {args.rounds} rounds "
-          "(ratio: each run against the copy_ right before and after it)")
-    print("GB/s: end to end (submit to wait); in brackets the transfer thread's own copy time")
-    print("direct/copy_: a memmove loop over the same chunks in the calling thread, no worker")
-    print("store/direct: the worker's store against that loop in the same round (its own overhead)")
-    print(f"{'chunk':>8} {'copy_':>7} {'store':>14} {'load':>14} {'store/copy_':>12} {'load/copy_':>11} "
-          f"{'direct/copy_':>13} {'store/direct':>13}")
+    cuda = args.device == "cuda"
+    print(f"\n{args.total_mib} MiB per repeat, {args.layers} layer(s) per chunk, {args.chunks_per_job} chunks per "
+          f"job, {args.rounds} repeats of segments of >= {args.segment_mib} MiB, the ways in rotating order")
+    print("GB/s: median over repeats, end to end (submit to wait); in brackets the transfer thread's own time")
+    print("ratios: median over repeats of ours / copy_ in the same repeat [interquartile range]")
+    if not cuda:
+        print("direct: a memmove loop over the same chunks in the calling thread, no worker; "
+              "store/direct: the worker's own overhead")
+    iqr = lambda r, k: f"{r[k + '_ratio']:.2f} [{r[k + '_iqr'][0]:.2f}-{r[k + '_iqr'][1]:.2f}]"
+    cols = ["store", "load"] + ([] if cuda else ["direct", "store_vs_direct"])
+    heads = {"store": "store/copy_", "load": "load/copy_", "direct": "direct/copy_", "store_vs_direct": "store/direct"}
+    print(f"| chunk | copy_ GB/s | store GB/s (thread) | load GB/s (thread) | "
+          + " | ".join(heads[c] for c in cols) + " |")
+    print("|---:" * (4 + len(cols)) + "|")
     for r in rows:
-        print(f"{r['chunk_kib']:>5} KiB {r['copy_']:>7.2f} {r['store']:>6.2f} ({r['store_thread']:>5.2f}) "
-              f"{r['load']:>6.2f} ({r['load_thread']:>5.2f}) {r['store_ratio']:>12.2f} {r['load_ratio']:>11.2f} "
-              f"{r['direct_ratio']:>13.2f} {r['store_vs_direct_ratio']:>13.2f}")
+        print(f"| {r['chunk_kib']} KiB | {r['copy_']:.2f} | {r['store']:.2f} ({r['store_thread']:.2f}) | "
+              f"{r['load']:.2f} ({r['load_thread']:.2f}) | " + " | ".join(iqr(r, c) for c in cols) + " |")
     big = [r for r in rows if r["chunk_kib"] >= 256]
     if big:
         worst = min(min(r["store_ratio"], r["load_ratio"]) for r in big)
-        print(f"worst ratio for chunks >= 256 KiB: {worst:.2f} (goal >= 0.95): {'met' if worst >= 0.95 else 'NOT met'}")
+        print(f"worst median ratio for chunks >= 256 KiB: {worst:.2f} (goal >= 0.95): "
+              f"{'met' if worst >= 0.95 else 'NOT met'}")
     if args.plot:
         plot(rows, args.plot)
 
