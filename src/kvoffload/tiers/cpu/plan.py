@@ -107,6 +107,12 @@ class Pieces:
     min_blocks: int  # GPU block ids must be below this
     total: int = 0  # bytes of all pieces of one block
 
+    def __post_init__(self):
+        # (pieces, 1) views that broadcast against a job's blocks, made once
+        self.stride_col, self.src_col = self.block_stride[:, None], self.src_offset[:, None]
+        self.chunk_col, self.page_col = self.chunk_offset[:, None], self.page_in_chunk[:, None]
+        self.writers_col, self.turn_col = self.num_writers[:, None], self.writer_index[:, None]
+
     @classmethod
     def of(cls, rows: list[Piece], min_blocks: int) -> Pieces:
         cols = np.array(rows, dtype=np.int64).reshape(-1, len(Piece._fields)).T
@@ -290,6 +296,20 @@ class CopyPlanner:
             limits = [p.min_blocks] if len(p.size) else []
             limits += [kv_caches.tensors[st.ref.tensor_idx].tensor.shape[0] for st in sts]
             self.block_limit.append(min(limits, default=0))
+        self._repeats: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+
+    def _repeated(self, group: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """The group's piece tensor indices and sizes, each repeated n times
+        (piece-major), made once per job length and reused (read-only)."""
+        got = self._repeats.get((group, n))
+        if got is None:
+            if len(self._repeats) >= 256:  # job lengths vary without bound only in odd callers
+                self._repeats.clear()
+            p = self.pieces[group]
+            got = self._repeats[group, n] = (np.repeat(p.tensor_idx, n), np.repeat(p.size, n))
+            for a in got:
+                a.flags.writeable = False
+        return got
 
     def check(self, gpu: GPULoadStoreSpec, cpu: LoadStoreSpec) -> list[GroupJob]:
         """Split a job by group; raises ValueError on a bad spec. Cheap: it
@@ -348,16 +368,15 @@ class CopyPlanner:
             # shape (pieces, blocks): piece-major, so one layer's consecutive pages stay neighbours.
             # Few numpy ops on small arrays: this runs once per job on the copy thread.
             n = len(blocks)
-            gpu = blocks * p.block_stride[:, None] + p.src_offset[:, None]
+            gpu = blocks * p.stride_col + p.src_col
             if k == 1:
-                pool = (slots * self.slot_bytes) + p.chunk_offset[:, None]
+                pool = slots * self.slot_bytes + p.chunk_col
             else:
                 pos = skip + np.arange(n, dtype=np.int64)  # sub-block position in the job's chunks
-                pool = (slots[pos // k] * self.slot_bytes + p.chunk_offset[:, None]
-                        + (pos % k) * p.page_in_chunk[:, None])
-            tidx, size = np.repeat(p.tensor_idx, n), np.repeat(p.size, n)
+                pool = slots[pos // k] * self.slot_bytes + p.chunk_col + (pos % k) * p.page_col
+            tidx, size = self._repeated(g, n)
             if writers_only:  # only the writer of a block writes it
-                mine = (blocks % p.num_writers[:, None] == p.writer_index[:, None]).ravel()
+                mine = (blocks % p.writers_col == p.turn_col).ravel()
                 parts.append((tidx[mine], gpu.ravel()[mine], pool.ravel()[mine], size[mine]))
                 nbytes += int(parts[-1][3].sum())
             else:
