@@ -71,8 +71,10 @@ class CPUCopier:
         }
         self._jobs: deque[tuple] = deque()  # submitted, not started: (job id, direction, groups)
         self._running = threading.Lock()  # held by whoever takes and copies jobs: one at a time, in order
-        self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()  # one token per submit; False: stop
-        self._lock = threading.Lock()  # orders submits against close's stop token
+        # True: wake the thread up (it takes every queued job); False: stop
+        self._wake: queue.SimpleQueue[bool] = queue.SimpleQueue()
+        self._awake = False  # a wake-up is due or the thread is on the jobs (fewer wake-ups: one per burst)
+        self._lock = threading.Lock()  # guards _awake against the queue emptying; orders submits against close
         self._stopped = False
         self._thread: threading.Thread | None = threading.Thread(
             target=self._run, name="kvoffload-cpu-copy", daemon=True)
@@ -87,7 +89,9 @@ class CPUCopier:
                     self._do(job_id, direction, groups)
                 else:
                     self._jobs.append((job_id, direction, groups))
-                    self._wake.put(True)
+                    if not self._awake:
+                        self._awake = True
+                        self._wake.put(True)
                 return
         self._finish(job_id, -1, None)
 
@@ -119,6 +123,11 @@ class CPUCopier:
                 self._do(*job)
         finally:
             self._running.release()
+            with self._lock:  # the thread gave up the jobs to us: hand back what is left
+                if self._jobs:
+                    self._wake.put(True)
+                else:
+                    self._awake = False
 
     def close(self, in_flight: set[int]) -> None:
         """Finish the queued jobs, then stop the thread."""
@@ -132,14 +141,27 @@ class CPUCopier:
 
     def _run(self) -> None:
         while self._wake.get():
-            self._drain()
-        self._drain()  # jobs queued before the stop token (a helper may hold _running: wait for it)
+            # a helper copying: leave the jobs to it (it wakes us for the rest)
+            # rather than sleep on the lock and be woken for nothing
+            if self._running.acquire(blocking=False):
+                try:
+                    self._drain(idle=True)
+                finally:
+                    self._running.release()
+        with self._running:  # jobs queued before the stop token; a helper may be at work: wait
+            self._drain(idle=False)
 
-    def _drain(self) -> None:
-        """Copy the queued jobs in order (none if a helper took them)."""
-        with self._running:
-            while self._jobs:
-                self._do(*self._jobs.popleft())
+    def _drain(self, idle: bool) -> None:
+        """Copy the queued jobs in order; idle: then go back to sleep
+        (the next submit wakes the thread)."""
+        while True:
+            with self._lock:
+                if not self._jobs:
+                    if idle:
+                        self._awake = False
+                    return
+                job = self._jobs.popleft()
+            self._do(*job)
 
     def _do(self, job_id: int, direction: str, groups: list[GroupJob]) -> None:
         """Plan, copy and report one job."""
