@@ -61,8 +61,7 @@ def test_consecutive_blocks_into_consecutive_slots_merge_to_one_range():
 
 
 def test_plans_of_jobs_of_one_length_are_independent():
-    # the planner reuses each job length's per-piece arrays: a plan that
-    # merged ranges must not change the next one of that length
+    # a plan that merged ranges does not change the next one of that length
     _, kv = random_kv_caches(16, [4096])
     p = planner(kv, config([16]))
     merged = p.plan(1, STORE, p.check(GPULoadStoreSpec([4, 5, 6]), CPULoadStoreSpec([2, 3, 4])))
@@ -74,8 +73,6 @@ def test_plans_of_jobs_of_one_length_are_independent():
     p2 = planner(kv2, config([16]))
     two = p2.plan(3, STORE, p2.check(GPULoadStoreSpec([9, 1, 5]), CPULoadStoreSpec([7, 0, 3])))
     assert two.tensor_idx.tolist() == [0, 0, 0, 1, 1, 1] and two.size.tolist() == [4096] * 3 + [2048] * 3
-    with pytest.raises(ValueError):  # shared read-only: no executor can change them in place
-        apart.size[0] = 1
 
 
 def test_several_gpu_blocks_per_chunk_of_one_layer_merge():

@@ -201,7 +201,8 @@ class CPUCopier:
         """The whole CPU copy path: memmove each byte range (or gather a
         job of many small ones), np.copyto each stretch of a strided ref."""
         n = len(plan.size)
-        if n >= GATHER_MIN_RANGES and int(plan.size.sum()) < GATHER_BELOW * n:
+        ranged = int(plan.size.sum()) if plan.strided else plan.nbytes  # bytes of the ranges
+        if n >= GATHER_MIN_RANGES and ranged < GATHER_BELOW * n:
             self._gather(plan)
         else:
             memmove = ctypes.memmove

@@ -296,20 +296,6 @@ class CopyPlanner:
             limits = [p.min_blocks] if len(p.size) else []
             limits += [kv_caches.tensors[st.ref.tensor_idx].tensor.shape[0] for st in sts]
             self.block_limit.append(min(limits, default=0))
-        self._repeats: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-
-    def _repeated(self, group: int, n: int) -> tuple[np.ndarray, np.ndarray]:
-        """The group's piece tensor indices and sizes, each repeated n times
-        (piece-major), made once per job length and reused (read-only)."""
-        got = self._repeats.get((group, n))
-        if got is None:
-            if len(self._repeats) >= 256:  # job lengths vary without bound only in odd callers
-                self._repeats.clear()
-            p = self.pieces[group]
-            got = self._repeats[group, n] = (np.repeat(p.tensor_idx, n), np.repeat(p.size, n))
-            for a in got:
-                a.flags.writeable = False
-        return got
 
     def check(self, gpu: GPULoadStoreSpec, cpu: LoadStoreSpec) -> list[GroupJob]:
         """Split a job by group; raises ValueError on a bad spec. Cheap: it
@@ -374,7 +360,7 @@ class CopyPlanner:
             else:
                 pos = skip + np.arange(n, dtype=np.int64)  # sub-block position in the job's chunks
                 pool = slots[pos // k] * self.slot_bytes + p.chunk_col + (pos % k) * p.page_col
-            tidx, size = self._repeated(g, n)
+            tidx, size = np.repeat(p.tensor_idx, n), np.repeat(p.size, n)
             if writers_only:  # only the writer of a block writes it
                 mine = (blocks % p.writers_col == p.turn_col).ravel()
                 parts.append((tidx[mine], gpu.ravel()[mine], pool.ravel()[mine], size[mine]))
