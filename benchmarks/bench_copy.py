@@ -44,8 +44,8 @@ def parse_args():
     p.add_argument("--rounds", type=int, default=11, help="repeats (each moves --total-mib every way)")
     p.add_argument("--segment-mib", type=int, default=32,
                    help="bytes of one timed segment (whole jobs); the ways alternate per segment")
-    p.add_argument("--poll", action="store_true",
-                   help="collect jobs by polling get_finished every 50 us (vLLM's way: the copy thread does "
+    p.add_argument("--poll-ms", type=float, metavar="MS",
+                   help="collect jobs by polling get_finished every MS ms (vLLM's way: the copy thread does "
                         "every copy) instead of wait() (which copies the jobs still queued in the caller)")
     p.add_argument("--plot", help="write a PNG plot here")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
@@ -97,10 +97,10 @@ def bench_size(chunk_bytes: int, args, bar) -> dict:
             ok = worker.submit_store(job_id, gpu, cpu) if direction == "store" else worker.submit_load(job_id, cpu, gpu)
             assert ok, worker.last_error
             ids.add(job_id)
-        if args.poll:  # as vLLM does: the copy thread copies, the caller collects
+        if args.poll_ms:  # as vLLM does: the copy thread copies, the caller collects
             results = []
             while len(results) < len(ids):
-                time.sleep(50e-6)
+                time.sleep(args.poll_ms / 1e3)
                 results += worker.get_finished()
         else:  # wait() copies the jobs still queued in this thread
             worker.wait(ids)
@@ -260,7 +260,7 @@ def main():
     cuda = args.device == "cuda"
     print(f"\n{args.total_mib} MiB per repeat, {args.layers} layer(s) per chunk, {args.chunks_per_job} chunks per "
           f"job, {args.rounds} repeats of segments of >= {args.segment_mib} MiB, the ways in rotating order")
-    print("GB/s: median over repeats, end to end (submit to " + ("get_finished polled every 50 us)" if args.poll else
+    print("GB/s: median over repeats, end to end (submit to " + (f"get_finished polled every {args.poll_ms} ms)" if args.poll_ms else
           "wait())") + "; in brackets over the jobs' own copy time (TransferResult.transfer_time)")
     print("ratios: median over repeats of ours / copy_ in the same repeat [interquartile range]")
     if not cuda:
