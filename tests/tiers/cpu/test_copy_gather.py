@@ -33,7 +33,8 @@ def run(worker, job_id, direction, blocks, slots):
     return r
 
 
-def test_many_small_ranges_round_trip_through_gather(gathers):
+@pytest.mark.parametrize("consecutive", [False, True], ids=["scattered", "consecutive-blocks"])
+def test_many_small_ranges_round_trip_through_gather(gathers, consecutive):
     # two layers of different page sizes (so two range sizes in one job), the
     # first a view with a storage offset and a padded, odd block stride
     raw = torch.randint(-128, 128, (300, 1100), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
@@ -43,7 +44,9 @@ def test_many_small_ranges_round_trip_through_gather(gathers):
     w = CPUOffloadingWorker(kv, OffloadingConfig.from_dict({"groups": [16], "tokens_per_hash": 16}), 200)
     try:
         rng = np.random.default_rng(0)
-        blocks, slots = rng.permutation(148)[:100], rng.permutation(200)[:100]  # non-contiguous both sides
+        slots = rng.permutation(200)[:100]  # scattered in the pool
+        # GPU side scattered, or consecutive (its ranges then a strided view of the tensor, no gather)
+        blocks = np.arange(30, 130) if consecutive else rng.permutation(148)[:100]
         before_raw, before_b = raw.clone(), b.clone()
         r = run(w, 1, "store", blocks, slots)
         assert r.transfer_size == 100 * (1000 + 48)

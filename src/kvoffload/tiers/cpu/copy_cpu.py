@@ -240,10 +240,16 @@ class CPUCopier:
             by_size = [(first, slice(None))] if (s == first).all() else [(int(x), s == x) for x in np.unique(s)]
             for n, pick in by_size:
                 gv, pv = self._window(t, n), self._window(-1, n)
+                gp = g[pick]
+                k, g0 = len(gp), int(gp[0])
+                d = int(gp[1]) - g0 if k > 2 else 0
+                if d >= n and int(gp[-1]) - g0 == (k - 1) * d and (np.diff(gp) == d).all():
+                    # consecutive blocks (the replay's GPU hands them out so): a strided view, no gather here
+                    gp = slice(g0, g0 + k * d, d)
                 if plan.direction == STORE:
-                    pv[p[pick]] = gv[g[pick]]
+                    pv[p[pick]] = gv[gp]
                 else:
-                    gv[g[pick]] = pv[p[pick]]
+                    gv[gp] = pv[p[pick]]
 
 
 def _bytes_at(t: torch.Tensor) -> np.ndarray:
