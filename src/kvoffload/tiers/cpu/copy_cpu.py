@@ -1,10 +1,10 @@
 """The CPU executor of copy plans: KV tensors in host memory.
 
-One transfer thread plans each job (plan.py) and runs ctypes.memmove over
-raw addresses (memmove releases the GIL; it beat copy_ loops and
-index_select/index_copy_ here, see docs/BENCHMARKS.md "Copy bandwidth").
-The thread takes the GIL back between ranges, so merged, large ranges
-matter. A job of many small ranges (mean below GATHER_BELOW: 1 KiB blocks
+One transfer thread plans each job (plan.py) and runs libc memmove over
+raw addresses through ctypes (it beat copy_ loops and
+index_select/index_copy_ here, see docs/BENCHMARKS.md "Copy bandwidth"),
+giving the GIL up around one range per GIL_EVERY bytes (each time it takes
+it back it may wait for another thread), so merged, large ranges matter. A job of many small ranges (mean below GATHER_BELOW: 1 KiB blocks
 in 4 KiB pool chunks never merge) is instead one numpy gather/scatter per
 tensor over views of records of the range size: numpy copies each range
 in its own loop, without a Python call per range (it goes through a
@@ -43,6 +43,28 @@ logger = logging.getLogger(__name__)
 # 32 KiB (numpy's gather goes through a temporary; docs/BENCHMARKS.md).
 GATHER_BELOW = 8 * 1024
 GATHER_MIN_RANGES = 16
+
+# The GIL is given up (and must be taken back) around one memmove per
+# GIL_EVERY bytes, not around each range: a thread that takes the GIL back
+# while another holds it waits for a hand-off, tens of us here against 25 us
+# for a 256 KiB copy. 1 MiB: other threads wait at most ~0.1 ms of copying.
+GIL_EVERY = 1 << 20
+
+
+def _memmove_keeping_gil():
+    """libc's memmove called without giving up the GIL (ctypes.PyDLL), or
+    None where the process's own symbols cannot be opened."""
+    try:
+        f = ctypes.PyDLL(None).memmove
+    except (OSError, AttributeError):
+        return None
+    f.argtypes, f.restype = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t), ctypes.c_void_p
+    return f
+
+
+_MEMMOVE_KEEPING_GIL = _memmove_keeping_gil()
+if _MEMMOVE_KEEPING_GIL is None:
+    GIL_EVERY = 0
 
 Finish = Callable[[int, int, "float | None"], None]  # (job id, bytes or -1 if failed, seconds)
 
@@ -205,9 +227,19 @@ class CPUCopier:
         if n >= GATHER_MIN_RANGES and ranged < GATHER_BELOW * n:
             self._gather(plan)
         else:
-            memmove = ctypes.memmove
-            for dst, src, size in plan.ranges(self._gpu_base, self._pool_base):
-                memmove(dst, src, size)
+            if GIL_EVERY:
+                releasing, keeping, since = ctypes.memmove, _MEMMOVE_KEEPING_GIL, 0
+                for dst, src, size in plan.ranges(self._gpu_base, self._pool_base):
+                    since += size
+                    if since >= GIL_EVERY:
+                        releasing(dst, src, size)
+                        since = 0
+                    else:
+                        keeping(dst, src, size)
+            else:
+                memmove = ctypes.memmove
+                for dst, src, size in plan.ranges(self._gpu_base, self._pool_base):
+                    memmove(dst, src, size)
         copyto = np.copyto
         for st, stretches in plan.strided:
             for gv, pv in self._views[st]:
