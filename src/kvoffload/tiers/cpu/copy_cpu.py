@@ -227,7 +227,11 @@ class CPUCopier:
         if n >= GATHER_MIN_RANGES and ranged < GATHER_BELOW * n:
             self._gather(plan)
         else:
-            if GIL_EVERY:
+            if GIL_EVERY and ranged < GIL_EVERY:  # a small job: the GIL kept throughout
+                keeping = _MEMMOVE_KEEPING_GIL
+                for dst, src, size in plan.ranges(self._gpu_base, self._pool_base):
+                    keeping(dst, src, size)
+            elif GIL_EVERY:
                 releasing, keeping, since = ctypes.memmove, _MEMMOVE_KEEPING_GIL, 0
                 for dst, src, size in plan.ranges(self._gpu_base, self._pool_base):
                     since += size
