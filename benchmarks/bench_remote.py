@@ -438,6 +438,9 @@ def main(argv=None) -> int:
     ap.add_argument("--mooncake-store", default="6GiB",
                     help="memory the store node lends for --replay-mooncake (the whole trace stores ~1.7 GB "
                          "per run; a full store evicts)")
+    ap.add_argument("--mooncake-no-checksum", action="store_true",
+                    help="part 4 with the tier's checksums off (a constant header, no check): what they cost; "
+                         "benchmark only")
     ap.add_argument("--mooncake-json", help="also write part 4's rows, with each repeat's GB/s, to this JSON file")
     ap.add_argument("--replay-mooncake", action="store_true",
                     help="also run part 2 with the Mooncake tier as the shared remote tier")
@@ -469,7 +472,7 @@ def main(argv=None) -> int:
             print_sharing(iso, sh, args.requests, infinite_cache_rates(Path(args.trace), args.requests))
     if args.mooncake:
         mc = mooncake_bandwidth(sizes, parse_bytes(args.total, "--total"), args.repeats, args.pipeline,
-                                args.mooncake_io_threads)
+                                args.mooncake_io_threads, args.mooncake_no_checksum)
         print_mooncake(mc, args.pipeline, rows)
         if args.mooncake_json:
             Path(args.mooncake_json).write_text(json.dumps(mc, indent=1))

@@ -38,7 +38,22 @@ import numpy as np
 from kvoffload.abstractions import CPULoadStoreSpec
 from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.host_pool import HostPool
-from kvoffload.tiers.remote.value import HEADER_BYTES, RemoteLoadStoreSpec
+from kvoffload.tiers.remote.value import HEADER_BYTES, OK, RemoteLoadStoreSpec, ValueCodec
+
+
+class NoChecksumCodec(ValueCodec):
+    """Benchmark only (--mooncake-no-checksum): every header the same, every
+    value accepted, so a run shows what the checksums cost. Never in the tier."""
+
+    def __init__(self, size: int):
+        super().__init__()
+        self._header = ValueCodec().header(b"", bytes(size))
+
+    def header(self, redis_key, payload):
+        return self._header
+
+    def verify(self, redis_key, header, payload):
+        return OK
 
 
 def reference(store, op: str, keys: list[str], seg: range, pool: HostPool, batch: int, callers: int,
@@ -91,7 +106,7 @@ def ours(worker, op: str, rkeys: list[str], keys: list[bytes], seg: range, per_j
 
 
 def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int,
-                       io_threads: int | None = None) -> list[dict]:
+                       io_threads: int | None = None, no_checksum: bool = False) -> list[dict]:
     from mooncake.store import MooncakeDistributedStore
     from tqdm import tqdm
 
@@ -119,6 +134,8 @@ def mooncake_bandwidth(sizes: list[int], total: int, repeats: int, batch: int,
                                                 **({"io_threads": io_threads} if io_threads else {})),
                                 Namespace(model="bench", chunk_bytes=size))
             worker = tier.get_worker(pool)
+            if no_checksum:
+                worker._codec = NoChecksumCodec(size)
             callers = tier.config.io_threads
             keys = [i.to_bytes(8, "big") + b"\0\0\0\0" for i in range(n)]
             rkeys = tier.keyspace.redis_keys(keys)

@@ -16,24 +16,32 @@ the next store rewrites it. A value of the old header-first layout (same
 length) fails the check: its last 48 bytes are chunk bytes, not a header.
 
 Hashing runs beside the transfers, never before or after them on the IO
-thread (the client's calls and xxhash's update both release the GIL):
-- stores: a header thread writes a store job's headers (xxh3 over each
-  payload, MAC) into its slots' trailers when it is submitted and only then
-  queues it, so the IO thread's put of one job overlaps the hashing of the
+threads (the client's calls and xxhash's update both release the GIL), on
+a few hashing threads (hashing.py), checks before headers, each job's or
+round's share cut into one piece per thread so that what cannot overlap a
+transfer (a first job's headers, a last round's check) runs on every free
+core:
+- stores: a store job's headers (xxh3 over each payload, MAC) are written
+  into its slots' trailers when it is submitted, and only then is it
+  queued, so the IO thread's put of one job overlaps the hashing of the
   next;
-- loads: the IO thread hands a round's check (trailer, xxh3, MAC) to one
-  checker thread and goes on with its next batched call; the part is
+- loads: the IO thread hands a round's check (trailer, xxh3, MAC) to the
+  hashing threads and goes on with its next batched call; the part is
   reported when its last round is checked. (Halving a lone load's last
   round, to shorten the check left after its bytes arrive, made loads
   slower: a call of 1-2 values moves over fewer of the client's TCP lanes;
   docs/BENCHMARKS.md.)
+A load is split over the IO threads only into parts of whole rounds: the
+client moves one call's values over several TCP lanes itself, and calls
+of fewer values from more threads are slower (0.5-0.9 of the same values
+in calls of 16; docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
+from functools import partial
 
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.mooncake.client import (
@@ -45,6 +53,7 @@ from kvoffload.tiers.mooncake.client import (
     replicate_config,
 )
 from kvoffload.tiers.mooncake.config import MooncakeConfig
+from kvoffload.tiers.mooncake.hashing import HashThreads
 from kvoffload.tiers.remote.state import SharedState
 from kvoffload.tiers.remote.value import BAD_MAC, CORRUPT, ERROR, HEADER_BYTES, MISSING, OK, WRONG_KEY, ValueCodec
 from kvoffload.tiers.remote.worker import RemoteTierWorker, _Job
@@ -55,15 +64,17 @@ _DELETE = {CORRUPT: "checksum_failures", WRONG_KEY: "wrong_key_values", BAD_MAC:
 
 
 class _Part:
-    """A load part's rounds still being checked."""
+    """A load part's check pieces still to run, or a store job's header
+    pieces (then `ready` is what to queue for the IO threads once done)."""
 
-    __slots__ = ("job", "n_slots", "rounds_left", "ok")
+    __slots__ = ("job", "n_slots", "pieces_left", "ok", "ready")
 
-    def __init__(self, job: _Job, n_slots: int, rounds: int):
+    def __init__(self, job: _Job, n_slots: int, pieces: int, ready: tuple | None = None):
         self.job = job
         self.n_slots = n_slots
-        self.rounds_left = rounds
+        self.pieces_left = pieces
         self.ok = True
+        self.ready = ready
 
 
 class MooncakeTierWorker(RemoteTierWorker):
@@ -78,27 +89,27 @@ class MooncakeTierWorker(RemoteTierWorker):
             raise RuntimeError(f"mooncake: cannot register the {pool.nbytes}-byte host pool (code {rc})")
         self._per_round = max(1, cfg.batch_bytes // max(1, pool.used_chunk_bytes))
         self._replicate = replicate_config(cfg)
-        self._checks: queue.SimpleQueue = queue.SimpleQueue()
         self._parts_lock = threading.Lock()
-        self._checker = threading.Thread(target=self._check_loads, name="kvoffload-mooncake-check", daemon=True)
-        self._checker.start()
-        self._to_hash: queue.SimpleQueue = queue.SimpleQueue()
+        # two at least: a lone job's hashing that overlaps no transfer then runs on two cores
+        self._hash = HashThreads(max(2, cfg.io_threads))
         super().__init__(pool, store, cfg, state, codec)
         self._value_bytes = self.payload_bytes + HEADER_BYTES  # chunk + trailer: one buffer per key
-        self._hasher = threading.Thread(target=self._hash_stores, name="kvoffload-mooncake-hash", daemon=True)
-        self._hasher.start()
 
     def shutdown(self) -> None:
-        self._to_hash.put(None)  # first: it hands the IO threads what it holds
-        self._hasher.join(timeout=10)
+        self._hash.wait_background(10)  # first: every store job's headers made, the job with the IO threads
         super().shutdown()
-        self._checks.put(None)  # after the IO threads: nothing more gets queued
-        self._checker.join(timeout=10)
+        self._hash.stop(10)  # after the IO threads: no more checks get queued
         # a thread stuck in a call may still use the pool
-        if not any(t.is_alive() for t in (*self._threads, self._checker, self._hasher)):
+        if not any(t.is_alive() for t in (*self._threads, *self._hash.threads)):
             self._client.unregister_buffer(self._base)
 
-    # -- a part: a load's transfer here on the IO thread, its check on the checker thread ---
+    def _parts(self, n: int) -> list[tuple[int, int]]:
+        """A load's parts for the IO threads: whole rounds (batched calls of up to
+        _per_round values), never more parts than threads."""
+        k = max(1, min(len(self._threads), -(-n // self._per_round)))
+        return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+    # -- a part: a load's transfer here on the IO thread, its check on the hashing threads ---
     def _move(self, conns: dict, job: _Job, slots: list[int], spec, headers_made: bool = False) -> None:
         if not slots:
             return self._part_done(job, 0, True)
@@ -110,62 +121,70 @@ class MooncakeTierWorker(RemoteTierWorker):
             c.add("load_failures", len(slots))
             return self._part_done(job, len(slots), False)
         n = self._per_round
-        starts = range(0, len(slots), n)
-        part = _Part(job, len(slots), len(starts))
-        for r, i in enumerate(starts):
-            sl = slice(i, i + n)
+        rounds = [(i, self._hash.pieces(min(n, len(slots) - i), self._value_bytes))
+                  for i in range(0, len(slots), n)]
+        part = _Part(job, len(slots), sum(len(p) for _, p in rounds))
+        for r, (i, pieces) in enumerate(rounds):
+            rs, rk, ro = slots[i:i + n], spec.redis_keys[i:i + n], spec.keys[i:i + n]
             try:
-                codes = self._fetch(slots[sl], spec.redis_keys[sl])
+                codes = self._fetch(rs, rk)
             except Exception:  # noqa: BLE001 - a bug here must fail the job, not kill the thread
                 log.exception("mooncake load job %d failed", job.job_id)
                 codes = None
             if codes is None:  # the master could not be asked (or a bug): the rest would fail too
                 backoff.failed()
                 c.add("load_failures", len(slots) - i)
-                self._rounds_done(part, len(starts) - r, False)
+                self._pieces_done(part, sum(len(p) for _, p in rounds[r:]), False)
                 return None
-            self._checks.put((part, slots[sl], spec.redis_keys[sl], spec.keys[sl], codes))
+            self._hash.run_soon([partial(self._check_piece, part, rs[a:b], rk[a:b], ro[a:b], codes[a:b])
+                                 for a, b in pieces], urgent=True)
         backoff.succeeded()
         return None
 
-    def _check_loads(self) -> None:
-        while (item := self._checks.get()) is not None:
-            part, slots, keys, offload_keys, codes = item
-            good = False
-            try:
-                good = self._verify_round(slots, keys, offload_keys, codes)
-            except Exception:  # noqa: BLE001 - a bug here must fail the job, not kill the thread
-                log.exception("mooncake load job %d: check failed", part.job.job_id)
-            self._rounds_done(part, 1, good)
+    def _check_piece(self, part: _Part, slots: list[int], keys: list[str], offload_keys: list[bytes],
+                     codes: list[int]) -> None:
+        good = False
+        try:
+            good = self._verify_round(slots, keys, offload_keys, codes)
+        except Exception:  # noqa: BLE001 - a bug here must fail the job, not kill the thread
+            log.exception("mooncake load job %d: check failed", part.job.job_id)
+        self._pieces_done(part, 1, good)
 
-    def _rounds_done(self, part: _Part, rounds: int, ok: bool) -> None:
-        with self._parts_lock:  # the IO thread (on a failure) and the checker both count down
+    def _pieces_done(self, part: _Part, pieces: int, ok: bool) -> None:
+        with self._parts_lock:  # the IO thread (on a failure) and the hashing threads all count down
             part.ok = part.ok and ok
-            part.rounds_left -= rounds
-            done = part.rounds_left == 0
-        if done:
+            part.pieces_left -= pieces
+            done = part.pieces_left == 0
+        if not done:
+            return
+        if part.ready is not None:  # a store job's headers: the IO threads may put it now
+            job, slots, spec = part.ready
+            super()._enqueue(self._stores, [(job, slots, spec, part.ok)])
+        else:
             self._part_done(part.job, part.n_slots, part.ok)
 
-    # -- stores: headers written into the slots' trailers on the header thread, put on the IO thread ---
+    # -- stores: headers written into the slots' trailers on the hashing threads, put on the IO thread ---
     def _enqueue(self, q, items: list) -> None:
-        if q is self._stores:  # via the header thread, which queues them when their headers are made
-            self._to_hash.put(items)
-        else:
-            super()._enqueue(q, items)
+        if q is not self._stores:
+            return super()._enqueue(q, items)
+        for job, slots, spec in items:  # queued for the IO threads once their headers are made
+            if not slots or not self._state.backoff.available():  # the IO thread fails it unhashed
+                super()._enqueue(q, [(job, slots, spec, False)])
+                continue
+            pieces = self._hash.pieces(len(slots), self._value_bytes)
+            pending = _Part(job, len(slots), len(pieces), ready=(job, slots, spec))
+            self._hash.run_soon([partial(self._header_piece, pending, slots[a:b], spec.redis_keys[a:b])
+                                 for a, b in pieces], urgent=False)
+        return None
 
-    def _hash_stores(self) -> None:
-        while (items := self._to_hash.get()) is not None:
-            ready = []
-            for job, slots, spec in items:
-                made = False  # the IO thread makes them (or fails the job) if this cannot
-                if self._state.backoff.available():  # else the IO thread fails it unhashed
-                    try:
-                        self._write_headers(slots, spec.redis_keys)
-                        made = True
-                    except Exception:  # noqa: BLE001 - a bug here must not kill the thread
-                        log.exception("mooncake store job %d: making headers failed", job.job_id)
-                ready.append((job, slots, spec, made))
-            super()._enqueue(self._stores, ready)
+    def _header_piece(self, pending: _Part, slots: list[int], keys: list[str]) -> None:
+        made = False  # then the IO thread makes them all (or fails the job)
+        try:
+            self._write_headers(slots, keys)
+            made = True
+        except Exception:  # noqa: BLE001 - a bug here must not kill the thread
+            log.exception("mooncake store job %d: making headers failed", pending.job.job_id)
+        self._pieces_done(pending, 1, made)
 
     def _write_headers(self, slots: list[int], keys: list[str]) -> None:
         """Each slot's value header into its trailer, right after the payload."""
