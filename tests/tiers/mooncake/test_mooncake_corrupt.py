@@ -116,3 +116,33 @@ def test_mac_refuses_a_value_without_it(mooncake, prefix, tmp_path, monkeypatch)
     finally:
         plain.shutdown()
         maced.shutdown()
+
+
+def test_damage_in_two_pieces_of_one_round(mooncake, raw, prefix):
+    """A round of 8 MiB is checked in pieces on several threads: bad values in
+    two pieces are both counted and removed, the job is reported once,
+    failed, and the good values are exact."""
+    chunk, n = 1 << 20, 8
+    tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=2 * n, chunk_bytes=chunk, io_threads=4)
+    try:
+        keys = keys_for(n, seed=22)
+        fill(pool, range(n), seed=22)
+        assert store(m, w, keys, list(range(n)))
+        for bad in (1, 6):  # the first and the last of four pieces of two values
+            rkey = tier.keyspace.redis_key(keys[bad])
+            v = bytearray(raw.get(rkey))
+            v[bad * 1000] ^= 1
+            _replace(raw, rkey, bytes(v))
+        spec = m.prepare_load(keys, CTX)
+        assert w.submit_load(92, spec, CPULoadStoreSpec(list(range(n, 2 * n))))
+        w.wait({92})
+        done = w.get_finished()
+        m.complete_load(keys, CTX)
+        assert [(r.job_id, r.success) for r in done] == [(92, False)]
+        c = m.get_stats().counters
+        assert c["checksum_failures"] == 2 and c["loaded_blocks"] == n - 2 and c["load_failures"] == 2
+        assert all(raw.is_exist(tier.keyspace.redis_key(keys[b])) == 0 for b in (1, 6))
+        good = [j for j in range(n) if j not in (1, 6)]
+        assert all(np.array_equal(pool.chunk(j), pool.chunk(n + j)) for j in good)
+    finally:
+        tier.shutdown()

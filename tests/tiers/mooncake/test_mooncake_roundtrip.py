@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -117,12 +118,32 @@ def test_many_rounds_and_threads(mooncake, prefix):
         tier.shutdown()
 
 
-def test_large_load_split_over_threads(mooncake, prefix):
-    """A 6 MiB load on three IO threads goes out as three parts (the Redis
-    tier's split): one result for the job, every byte back in its slot."""
-    n, chunk = 6, 1 << 20
-    tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=2 * n, chunk_bytes=chunk, io_threads=3)
+class _GetSizes:
+    """The tier's real client, with the number of values of each batched get recorded."""
+
+    def __init__(self, client):
+        self._client, self.gets, self._lock = client, [], threading.Lock()
+
+    def batch_get_into(self, keys, pointers, sizes):
+        with self._lock:
+            self.gets.append(len(keys))
+        return self._client.batch_get_into(keys, pointers, sizes)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+@pytest.mark.parametrize("io_threads, batch_chunks, calls", [(3, 32, [10]), (4, 4, [3, 3, 4]), (1, 4, [2, 4, 4])])
+def test_large_load_split_over_threads_by_whole_rounds(mooncake, prefix, io_threads, batch_chunks, calls):
+    """A 10 MiB load goes out in batched gets of up to batch_bytes each, over
+    at most io_threads parts, never cut smaller to feed more threads (the
+    client moves one call over several TCP lanes itself; smaller calls from
+    more threads are slower): one result for the job, every byte back."""
+    n, chunk = 10, 1 << 20
+    tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=2 * n, chunk_bytes=chunk, io_threads=io_threads,
+                                 batch_bytes=batch_chunks * chunk)
     try:
+        w._client = spy = _GetSizes(w._client)
         keys = keys_for(n, seed=10)
         fill(pool, range(n), seed=10)
         out = m.prepare_store(keys, CTX)
@@ -136,7 +157,32 @@ def test_large_load_split_over_threads(mooncake, prefix):
         done = w.get_finished()
         m.complete_load(keys, CTX)
         assert [(r.job_id, r.success, r.transfer_size) for r in done] == [(2, True, n * pool.used_chunk_bytes)]
+        assert sorted(spy.gets) == calls
         for j in range(n):
             assert np.array_equal(pool.chunk(n + j)[:chunk], expected(pool, 10, j))
     finally:
         tier.shutdown()
+
+
+def test_shutdown_right_after_submitting_stores_puts_them_all(mooncake, prefix):
+    """Stores still being hashed when the worker shuts down are put, not
+    dropped: each is reported, and another tier reads every byte."""
+    n, chunk = 16, 1 << 20
+    tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=n, chunk_bytes=chunk)
+    reader, m2, w2, pool2 = make_tier(mooncake, prefix, num_chunks=n, chunk_bytes=chunk)
+    try:
+        keys = keys_for(n, seed=12)
+        fill(pool, range(n), seed=12)
+        jobs = [list(range(a, a + 4)) for a in range(0, n, 4)]  # 4 MiB each; the first, alone, hashed in two pieces
+        outs = [m.prepare_store([keys[s] for s in j], CTX) for j in jobs]
+        for job_id, (j, o) in enumerate(zip(jobs, outs), start=1):
+            assert w.submit_store(job_id, CPULoadStoreSpec(j), o.store_spec)
+        w.shutdown()  # at once: nothing waited for
+        assert sorted((r.job_id, r.success) for r in w.get_finished()) == [(i, True) for i in range(1, 5)]
+        assert all(lookup(m2, k) is HIT for k in keys)
+        assert load(m2, w2, keys, list(range(n)))
+        for j in range(n):
+            assert np.array_equal(pool2.chunk(j)[:chunk], expected(pool, 12, j))
+    finally:
+        tier.shutdown()
+        reader.shutdown()

@@ -2,10 +2,11 @@
 loaded values first (a request waits on them), then headers of values to
 store (background).
 
-A round's checks or a job's headers are cut into pieces, one per thread
-(each at least MIN_PIECE_BYTES), so the hashing left before a first put or
-after a last get, when the IO threads have nothing to overlap it with,
-runs on every core that is free (xxh3 releases the GIL).
+Hashing that nothing overlaps (a lone store job's headers, made before its
+first put; a last round's check, after its get) is cut into pieces, one
+per thread (each at least MIN_PIECE_BYTES), so it runs on every core that
+is free (xxh3 releases the GIL). Hashing that overlaps a transfer stays in
+one piece: split, it would take both cores from the transfer at once.
 """
 
 from __future__ import annotations

@@ -17,10 +17,9 @@ length) fails the check: its last 48 bytes are chunk bytes, not a header.
 
 Hashing runs beside the transfers, never before or after them on the IO
 threads (the client's calls and xxhash's update both release the GIL), on
-a few hashing threads (hashing.py), checks before headers, each job's or
-round's share cut into one piece per thread so that what cannot overlap a
-transfer (a first job's headers, a last round's check) runs on every free
-core:
+a few hashing threads (hashing.py), checks before headers; what overlaps
+no transfer (a lone store job's headers, a last round's check with no load
+queued) is cut into one piece per thread, to run on every free core:
 - stores: a store job's headers (xxh3 over each payload, MAC) are written
   into its slots' trailers when it is submitted, and only then is it
   queued, so the IO thread's put of one job overlaps the hashing of the
@@ -121,8 +120,11 @@ class MooncakeTierWorker(RemoteTierWorker):
             c.add("load_failures", len(slots))
             return self._part_done(job, len(slots), False)
         n = self._per_round
-        rounds = [(i, self._hash.pieces(min(n, len(slots) - i), self._value_bytes))
-                  for i in range(0, len(slots), n)]
+        starts = range(0, len(slots), n)
+        # one piece per round (its check overlaps the next get); a last round with no load queued is
+        # checked with nothing to overlap: on every thread
+        rounds = [(i, self._hash.pieces(min(n, len(slots) - i), self._value_bytes)
+                   if i == starts[-1] and not self._loads else [(0, min(n, len(slots) - i))]) for i in starts]
         part = _Part(job, len(slots), sum(len(p) for _, p in rounds))
         for r, (i, pieces) in enumerate(rounds):
             rs, rk, ro = slots[i:i + n], spec.redis_keys[i:i + n], spec.keys[i:i + n]
@@ -171,7 +173,9 @@ class MooncakeTierWorker(RemoteTierWorker):
             if not slots or not self._state.backoff.available():  # the IO thread fails it unhashed
                 super()._enqueue(q, [(job, slots, spec, False)])
                 continue
-            pieces = self._hash.pieces(len(slots), self._value_bytes)
+            with self._cond:  # the only store in flight: the IO threads wait for its headers, nothing overlaps
+                alone = self._queued_store_bytes == len(slots) * self.payload_bytes
+            pieces = self._hash.pieces(len(slots), self._value_bytes) if alone else [(0, len(slots))]
             pending = _Part(job, len(slots), len(pieces), ready=(job, slots, spec))
             self._hash.run_soon([partial(self._header_piece, pending, slots[a:b], spec.redis_keys[a:b])
                                  for a, b in pieces], urgent=False)
