@@ -18,8 +18,8 @@ length) fails the check: its last 48 bytes are chunk bytes, not a header.
 Hashing runs beside the transfers, never before or after them on the IO
 threads (the client's calls and xxhash's update both release the GIL), on
 a few hashing threads (hashing.py), checks before headers; what overlaps
-no transfer (a lone store job's headers, a last round's check with no load
-queued) is cut into one piece per thread, to run on every free core:
+no transfer (a lone store job's headers, a last round's check with no other load
+queued or moving) is cut into one piece per thread, to run on every free core:
 - stores: a store job's headers (xxh3 over each payload, MAC) are written
   into its slots' trailers when it is submitted, and only then is it
   queued, so the IO thread's put of one job overlaps the hashing of the
@@ -89,6 +89,7 @@ class MooncakeTierWorker(RemoteTierWorker):
         self._per_round = max(1, cfg.batch_bytes // max(1, pool.used_chunk_bytes))
         self._replicate = replicate_config(cfg)
         self._parts_lock = threading.Lock()
+        self._loads_moving = 0  # load parts on the IO threads now (under _parts_lock)
         # two at least: a lone job's hashing that overlaps no transfer then runs on two cores
         self._hash = HashThreads(max(2, cfg.io_threads))
         super().__init__(pool, store, cfg, state, codec)
@@ -119,14 +120,22 @@ class MooncakeTierWorker(RemoteTierWorker):
         if not backoff.available():
             c.add("load_failures", len(slots))
             return self._part_done(job, len(slots), False)
+        with self._parts_lock:
+            self._loads_moving += 1
+        try:
+            self._fetch_rounds(job, slots, spec)
+        finally:
+            with self._parts_lock:
+                self._loads_moving -= 1
+        return None
+
+    def _fetch_rounds(self, job: _Job, slots: list[int], spec) -> None:
+        c = self._state.counters
+        backoff = self._state.backoff
         n = self._per_round
         starts = range(0, len(slots), n)
-        # one piece per round (its check overlaps the next get); a last round with no load queued is
-        # checked with nothing to overlap: on every thread
-        rounds = [(i, self._hash.pieces(min(n, len(slots) - i), self._value_bytes)
-                   if i == starts[-1] and not self._loads else [(0, min(n, len(slots) - i))]) for i in starts]
-        part = _Part(job, len(slots), sum(len(p) for _, p in rounds))
-        for r, (i, pieces) in enumerate(rounds):
+        part = _Part(job, len(slots), len(starts))  # a piece per round; more for a last round split up
+        for r, i in enumerate(starts):
             rs, rk, ro = slots[i:i + n], spec.redis_keys[i:i + n], spec.keys[i:i + n]
             try:
                 codes = self._fetch(rs, rk)
@@ -136,12 +145,24 @@ class MooncakeTierWorker(RemoteTierWorker):
             if codes is None:  # the master could not be asked (or a bug): the rest would fail too
                 backoff.failed()
                 c.add("load_failures", len(slots) - i)
-                self._pieces_done(part, sum(len(p) for _, p in rounds[r:]), False)
+                self._pieces_done(part, len(starts) - r, False)
                 return None
+            # a round's check overlaps the next get, in one piece; a last round's, with no other load
+            # queued or moving, overlaps nothing: on every hashing thread
+            pieces = [(0, len(rs))]
+            if r == len(starts) - 1 and self._last_load():
+                pieces = self._hash.pieces(len(rs), self._value_bytes)
+                with self._parts_lock:
+                    part.pieces_left += len(pieces) - 1
             self._hash.run_soon([partial(self._check_piece, part, rs[a:b], rk[a:b], ro[a:b], codes[a:b])
                                  for a, b in pieces], urgent=True)
         backoff.succeeded()
         return None
+
+    def _last_load(self) -> bool:
+        """No load but the caller's is queued or on an IO thread."""
+        with self._parts_lock:
+            return self._loads_moving == 1 and not self._loads
 
     def _check_piece(self, part: _Part, slots: list[int], keys: list[str], offload_keys: list[bytes],
                      codes: list[int]) -> None:
