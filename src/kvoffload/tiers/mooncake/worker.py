@@ -18,8 +18,9 @@ length) fails the check: its last 48 bytes are chunk bytes, not a header.
 Hashing runs beside the transfers, never before or after them on the IO
 threads (the client's calls and xxhash's update both release the GIL), on
 a few hashing threads (hashing.py), checks before headers; what overlaps
-no transfer (a lone store job's headers, a last round's check with no other load
-queued or moving) is cut into one piece per thread, to run on every free core:
+no transfer (a lone store job's headers, a last round's check with no
+other load queued or moving) is cut into a piece per thread, to run on
+every free core:
 - stores: a store job's headers (xxh3 over each payload, MAC) are written
   into its slots' trailers when it is submitted, and only then is it
   queued, so the IO thread's put of one job overlaps the hashing of the
