@@ -1,6 +1,7 @@
 """The memmove path gives up the GIL around one range per GIL_EVERY bytes
-and keeps it for the others: the bytes are the same either way, for ranges
-below, across and above that budget, stored and loaded."""
+(WAITER_GIL_EVERY in a waiting caller) and keeps it for the others: the
+bytes are the same either way, for ranges below, across and above that
+budget, stored and loaded."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def test_ranges_around_the_gil_budget_copy_the_same_bytes(gil_every, monkeypatch
     if gil_every and copy_cpu._MEMMOVE_KEEPING_GIL is None:
         pytest.skip("no GIL-keeping memmove on this platform")
     monkeypatch.setattr(copy_cpu, "GIL_EVERY", gil_every)
+    monkeypatch.setattr(copy_cpu, "WAITER_GIL_EVERY", gil_every)  # wait() below may copy the job itself
     page = 16 * 1024  # consecutive blocks merge into ranges of 16 KiB ... 1.5 MiB
     t = torch.randint(-128, 128, (256, page), dtype=torch.int8, generator=torch.Generator().manual_seed(7))
     w = CPUOffloadingWorker(make_kv_caches([t]), CONFIG, 160)

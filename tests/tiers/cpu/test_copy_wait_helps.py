@@ -28,8 +28,8 @@ def stalled_worker(page: int, blocks: int, slots: int, monkeypatch):
     monkeypatch.setattr(CPUCopier, "_run", lambda self: (go.wait(), run(self)))  # the thread's loop
     w = CPUOffloadingWorker(make_kv_caches([t]), CONFIG, slots)
     do = w.copier._do
-    monkeypatch.setattr(w.copier, "_do", lambda *job: (log.append((job[0], threading.current_thread().name)),
-                                                      do(*job)))
+    monkeypatch.setattr(w.copier, "_do", lambda *job, **kw: (log.append((job[0], threading.current_thread().name)),
+                                                            do(*job, **kw)))
     return w, t, go, log
 
 
