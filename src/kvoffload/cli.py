@@ -8,20 +8,27 @@ import argparse
 import importlib
 import sys
 
-# subcommand -> module defining add_parser(subparsers); the parser it adds
-# sets `func` (args -> exit code).
+# subcommand -> (module defining add_parser(subparsers), its line in the
+# command list); the parser add_parser adds sets `func` (args -> exit code).
 COMMANDS = {
-    "replay": "kvoffload.replay.cli",
-    "demo": "kvoffload.demo",
-    "stats": "kvoffload.stats",
-    "storage": "kvoffload.tiers.storage.check",
+    "replay": ("kvoffload.replay.cli", "replay a serving trace through the offload tiers and report what they buy"),
+    "demo": ("kvoffload.demo", "store, evict and reload real KV bytes through the CPU tier"),
+    "stats": ("kvoffload.stats", "live per-tier table from a kvoffload /metrics endpoint"),
+    "storage": ("kvoffload.tiers.storage.check", "inspect a storage tier's directory"),
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """Only the named subcommand's module is imported (the others pull in
+    torch: `kvoffload --help` or `kvoffload stats` need not wait for it)."""
+    argv = sys.argv[1:] if argv is None else argv
+    wanted = next((a for a in argv if not a.startswith("-")), None)
     parser = argparse.ArgumentParser(prog="kvoffload", description="KV-cache offloading engine")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, module in COMMANDS.items():
+    for name, (module, help_) in COMMANDS.items():
+        if name != wanted:
+            sub.add_parser(name, help=help_)  # listed in the help; never run
+            continue
         try:
             importlib.import_module(module).add_parser(sub)
         except ImportError as e:  # a subcommand whose extra is missing
@@ -31,7 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()

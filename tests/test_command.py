@@ -1,0 +1,36 @@
+"""The `kvoffload` command itself: its command list, and that it imports only
+the module of the command it runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvoffload.cli import COMMANDS, main
+
+
+def test_help_lists_every_command_without_importing_torch():
+    code = ("import sys\nfrom kvoffload.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print('torch imported:', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    for name, (_, help_) in COMMANDS.items():
+        assert name in out and help_.split()[0] in out
+    assert "torch imported: False" in out
+
+
+def test_each_command_parses_its_own_options(capsys):
+    for name in COMMANDS:
+        with pytest.raises(SystemExit) as e:
+            main([name, "--help"])
+        assert e.value.code == 0
+        assert f"kvoffload {name}" in capsys.readouterr().out  # its own usage line, not the top level's
+
+
+def test_unknown_command_is_one_line(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["nope"])
+    assert e.value.code == 2
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
