@@ -23,7 +23,7 @@ TOKENS_PER_BLOCK = 16
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("demo", help="store, evict and reload real KV bytes through the CPU tier")
+    p = subparsers.add_parser("demo")  # its help line: kvoffload.cli.COMMANDS
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--page-kib", type=int, default=32, help="KV bytes per layer per GPU block, KiB")
     p.add_argument("--chunks-per-request", type=int, default=8)

@@ -88,7 +88,7 @@ def run(args) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("stats", help="live per-tier table from a kvoffload /metrics endpoint")
+    p = sub.add_parser("stats")  # its help line: kvoffload.cli.COMMANDS
     p.add_argument("url", help="host:port or URL of a /metrics endpoint (e.g. the replay's --metrics-port)")
     p.add_argument("--interval", type=float, default=2.0, help="seconds between refreshes")
     p.add_argument("--once", action="store_true", help="print one table and exit")

@@ -28,7 +28,7 @@ MODEL_PRESETS = {
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "replay", help="replay a serving trace through the offload tiers and report what they buy",
+        "replay",  # its line in `kvoffload --help`: kvoffload.cli.COMMANDS
         description="Replay a trace (or, with no trace, a seeded multi-turn chat workload) through a "
                     "simulated engine driving a real OffloadingSpec, with real byte copies checked "
                     "byte for byte.")

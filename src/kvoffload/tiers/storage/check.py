@@ -195,7 +195,7 @@ def run(args) -> int:
 
 
 def add_parser(subparsers) -> None:
-    p = subparsers.add_parser("storage", help="inspect a storage tier's directory")
+    p = subparsers.add_parser("storage")  # its help line: kvoffload.cli.COMMANDS
     p.set_defaults(func=lambda args: p.print_help() or 2)
     sub = p.add_subparsers(dest="storage_command", metavar="ACTION")
     c = sub.add_parser("check", help="verify every chunk's checksum, read-only (safe beside a running engine)")
