@@ -35,6 +35,11 @@ def align_up(n: int, a: int = ALIGN) -> int:
     return (n + a - 1) // a * a
 
 
+def even_runs(n: int, k: int) -> list[tuple[int, int]]:
+    """[a, b) runs splitting n items into k (>= 1) runs of near-equal length."""
+    return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+
+
 @dataclass(frozen=True)
 class Namespace:
     """Everything that must match for stored bytes to mean the same KV.

@@ -239,7 +239,7 @@ class CPUCopier:
                 keeping = _MEMMOVE_KEEPING_GIL
                 for dst, src, size in plan.ranges(self._gpu_base, self._pool_base):
                     keeping(dst, src, size)
-            elif every:
+            else:  # the GIL given up around one range per `every` bytes (0: no keeping memmove here, each)
                 releasing, keeping, since = ctypes.memmove, _MEMMOVE_KEEPING_GIL, 0
                 for dst, src, size in plan.ranges(self._gpu_base, self._pool_base):
                     since += size
@@ -248,10 +248,6 @@ class CPUCopier:
                         since = 0
                     else:
                         keeping(dst, src, size)
-            else:
-                memmove = ctypes.memmove
-                for dst, src, size in plan.ranges(self._gpu_base, self._pool_base):
-                    memmove(dst, src, size)
         copyto = np.copyto
         for st, stretches in plan.strided:
             for gv, pv in self._views[st]:

@@ -17,6 +17,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+from kvoffload.tiers.base import even_runs
+
 log = logging.getLogger(__name__)
 
 # A piece smaller than this costs more in hand-offs than a second core saves.
@@ -37,7 +39,7 @@ class HashThreads:
     def pieces(self, n: int, item_bytes: int) -> list[tuple[int, int]]:
         """[a, b) runs of n items, one per thread that gets >= MIN_PIECE_BYTES."""
         k = max(1, min(len(self.threads), n * item_bytes // MIN_PIECE_BYTES, n))
-        return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+        return even_runs(n, k)
 
     def run_soon(self, tasks: list[Callable[[], None]], urgent: bool) -> None:
         """Run each task on some thread; urgent ones before any background one.

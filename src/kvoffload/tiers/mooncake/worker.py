@@ -43,6 +43,7 @@ import logging
 import threading
 from functools import partial
 
+from kvoffload.tiers.base import even_runs
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.mooncake.client import (
     INVALID_PARAMS,
@@ -108,7 +109,7 @@ class MooncakeTierWorker(RemoteTierWorker):
         """A load's parts for the IO threads: whole rounds (batched calls of up to
         _per_round values), never more parts than threads."""
         k = max(1, min(len(self._threads), -(-n // self._per_round)))
-        return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+        return even_runs(n, k)
 
     # -- a part: a load's transfer here on the IO thread, its check on the hashing threads ---
     def _move(self, conns: dict, job: _Job, slots: list[int], spec, headers_made: bool = False) -> None:

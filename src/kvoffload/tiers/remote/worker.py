@@ -24,7 +24,7 @@ from collections import deque
 import redis
 
 from kvoffload.abstractions import CPULoadStoreSpec, TransferResult
-from kvoffload.tiers.base import TierWorker
+from kvoffload.tiers.base import TierWorker, even_runs
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.remote import resp
 from kvoffload.tiers.remote.config import RemoteConfig
@@ -115,7 +115,7 @@ class RemoteTierWorker(TierWorker):
         """[a, b) runs of a load's n chunks, one per thread that can move at
         least MIN_PART_BYTES of it."""
         k = max(1, min(len(self._threads), n * self.payload_bytes // MIN_PART_BYTES, n))
-        return [(i * n // k, (i + 1) * n // k) for i in range(k)]
+        return even_runs(n, k)
 
     def _enqueue(self, q: deque, items: list) -> None:
         with self._queue:
