@@ -66,18 +66,32 @@ class GPUBlocks:
             slots.append(s)
         return slots
 
+    def can_allocate(self, n: int, hits: list[int]) -> bool:
+        """Whether n fresh slots can be had once the cached blocks `hits`
+        are acquired (vLLM's allocate_slots check: an idle hit block is not
+        free for this request, since it is about to take it)."""
+        room = len(self.free)
+        if room >= n:
+            return True
+        room += len(self.idle)
+        if room >= n and hits:
+            room -= len(self.idle.keys() & hits)
+        return room >= n
+
     def allocate(self, n: int) -> list[int] | None:
-        """n fresh slots, evicting idle cached blocks if needed; None if the
-        running requests hold too many."""
-        while len(self.free) < n and self.idle:
+        """n fresh slots, evicting idle cached blocks if needed; None (and
+        nothing evicted) if the running requests hold too many. A caller
+        with GPU hits checks can_allocate and acquires them first, so they
+        are not evicted for its own fresh blocks."""
+        if len(self.free) + len(self.idle) < n:
+            return None
+        while len(self.free) < n:
             h, s = self.idle.popitem(last=False)
             del self.slot_of[h]
             del self.hash_of[s]
             self.free.append(s)
             self.evictions += 1
         free = self.free
-        if len(free) < n:
-            return None
         # The n lowest free slots, ascending: a request's blocks then lie in
         # one stretch of the tensor whenever the free slots allow (always with
         # one request at a time), so its fills and copies run over contiguous

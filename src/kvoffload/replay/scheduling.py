@@ -109,11 +109,14 @@ class Scheduling:
                     continue
                 c["delay_timeouts"] += 1
             n_dec = self._num_decode_blocks(req)
-            fresh = self._allocate(len(hashes) - n_gpu + n_dec)
-            if fresh is None:  # running requests hold the GPU: try next step
-                waiting.appendleft((req, delays))
+            n_new = len(hashes) - n_gpu + n_dec
+            if not self.gpu.can_allocate(n_new, hashes[:n_gpu] if n_gpu else ()):
+                waiting.appendleft((req, delays))  # running requests hold the GPU: try next step
                 break
-            slots = self.gpu.acquire(hashes[:n_gpu]) + fresh if n_gpu else fresh
+            # the hits first: fresh blocks may evict idle cached ones, never this request's hits
+            hit = self.gpu.acquire(hashes[:n_gpu]) if n_gpu else []
+            fresh = self._allocate(n_new)
+            slots = hit + fresh if n_gpu else fresh
             if n_dec:
                 dec = req.decode_hashes if req.decode_hashes is not None else unique_hashes(req, n_dec)
                 dec_seeds = seeds_of(dec)
