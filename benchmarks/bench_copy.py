@@ -10,7 +10,9 @@ segment, our store, our load, a bare memmove loop over the same chunks
 from segment to segment, so that the swings of a shared machine hit every
 way alike. Ratios are the median over repeats of ours / copy_ within one
 repeat, with their interquartile range. Goal (issue 18): ratio >= 0.95 for
-32-chunk jobs of chunks >= 256 KiB.
+32-chunk jobs of chunks >= 256 KiB. --fallback adds a second worker on the
+same tensors with the C copy extension off (KVOFFLOAD_NATIVE_COPY=0: the
+ctypes loop), its store and load interleaved with the others.
 
     .venv/bin/python benchmarks/bench_copy.py --plot out/bench_copy.png
 """
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import statistics
 import time
 
@@ -47,6 +50,8 @@ def parse_args():
     p.add_argument("--poll-ms", type=float, metavar="MS",
                    help="collect jobs by polling get_finished every MS ms (vLLM's way: the copy thread does "
                         "every copy) instead of wait() (which copies the jobs still queued in the caller)")
+    p.add_argument("--fallback", action="store_true",
+                   help="also time a worker without the C copy extension (KVOFFLOAD_NATIVE_COPY=0), interleaved")
     p.add_argument("--plot", help="write a PNG plot here")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where the engine's KV tensors live (cuda: the worker's stream path)")
@@ -71,6 +76,20 @@ def bench_size(chunk_bytes: int, args, bar) -> dict:
     kv = make_kv_caches(tensors)
     cfg = OffloadingConfig.from_dict({"groups": [16], "tokens_per_hash": 16})
     worker = CPUOffloadingWorker(kv, cfg, 2 * n)
+    workers = {"": worker}
+    if args.fallback:  # the same tensors, its own pool, the ctypes loop (the env var is read per worker)
+        old = os.environ.get("KVOFFLOAD_NATIVE_COPY")
+        os.environ["KVOFFLOAD_NATIVE_COPY"] = "0"
+        try:
+            workers["_fb"] = CPUOffloadingWorker(kv, cfg, 2 * n)
+        finally:
+            if old is None:
+                del os.environ["KVOFFLOAD_NATIVE_COPY"]
+            else:
+                os.environ["KVOFFLOAD_NATIVE_COPY"] = old
+    if args.device == "cpu":
+        print(f"\n{chunk_bytes // KiB} KiB: " + ", ".join(f"worker{k or ''}: {'C extension' if w.copier._native else 'ctypes loop'}"
+                                                       for k, w in workers.items()))
     rng = np.random.default_rng(0)
     blocks = rng.permutation(2 * n)[:n]
     slots = rng.permutation(2 * n)[:n]
@@ -87,10 +106,11 @@ def bench_size(chunk_bytes: int, args, bar) -> dict:
     ref_host = torch.zeros(nbytes, dtype=torch.int8, pin_memory=args.device == "cuda")
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     job_id = 0
-    thread_seconds = {"store": 0.0, "load": 0.0}  # the jobs' own copy time (TransferResult), any thread
+    thread_seconds = {f"{d}{k}": 0.0 for k in workers for d in ("store", "load")}  # the jobs' own copy time
 
-    def run(direction: str, seg: range) -> None:
+    def run(direction: str, seg: range, which: str = "") -> None:
         nonlocal job_id
+        worker = workers[which]
         ids = set()
         for gpu, cpu in jobs[seg.start : seg.stop]:
             job_id += 1
@@ -106,7 +126,7 @@ def bench_size(chunk_bytes: int, args, bar) -> dict:
             worker.wait(ids)
             results = worker.get_finished()
         assert all(r.success for r in results) and {r.job_id for r in results} == ids
-        thread_seconds[direction] += sum(r.transfer_time for r in results)
+        thread_seconds[direction + which] += sum(r.transfer_time for r in results)
 
     # "direct": the same chunks stored by a memmove loop in this thread, no
     # worker (what random placement itself costs against one contiguous copy_)
@@ -129,6 +149,9 @@ def bench_size(chunk_bytes: int, args, bar) -> dict:
     # each way of one segment: what it runs, given the segment's index
     ways = {"store": lambda i: run("store", segments[i]), "load": lambda i: run("load", segments[i]),
             "copy_": lambda i: ref("store", seg_chunks[i])}
+    if args.fallback:
+        ways["store_fb"] = lambda i: run("store", segments[i], "_fb")
+        ways["load_fb"] = lambda i: run("load", segments[i], "_fb")
     if cuda:  # the reference differs by direction on a GPU
         ways["copy_load"] = lambda i: ref("load", seg_chunks[i])
     else:
@@ -140,7 +163,7 @@ def bench_size(chunk_bytes: int, args, bar) -> dict:
     runs = []  # per repeat: GB/s of each way over all its segments
     for rep in range(args.rounds):
         secs = dict.fromkeys(names, 0.0)
-        thread_seconds.update(store=0.0, load=0.0)
+        thread_seconds.update(dict.fromkeys(thread_seconds, 0.0))
         for i in range(len(segments)):
             k = (rep + i) % len(names)  # rotate the order, so swings of the machine hit every way alike
             for name in names[k:] + names[:k]:
@@ -151,16 +174,19 @@ def bench_size(chunk_bytes: int, args, bar) -> dict:
                      **{f"{d}_thread": nbytes / t / 1e9 for d, t in thread_seconds.items()}})
         bar.update(1)
     # bit-exact check: the first layer's pages sit at the start of their slots
-    pool_pages = worker.pool.tensor[:, :page].view(torch.int8)
-    assert torch.equal(tensors[0][torch.from_numpy(blocks).to(args.device)].cpu(), pool_pages[slots])
-    worker.shutdown()
+    for w in workers.values():
+        pool_pages = w.pool.tensor[:, :page].view(torch.int8)
+        assert torch.equal(tensors[0][torch.from_numpy(blocks).to(args.device)].cpu(), pool_pages[slots])
+        w.shutdown()
     row = {"chunk_kib": chunk_bytes // KiB, "runs": runs, **{k: statistics.median(r[k] for r in runs) for k in runs[0]}}
     # ratios: per repeat, ours against the reference of the same repeat; median and interquartile range
     pairs_ = {"store": "copy_", "load": "copy_load" if cuda else "copy_"}
     if not cuda:
         pairs_.update(direct="copy_", store_vs_direct="direct")
+    if args.fallback:  # the fallback over copy_, and the extension over the fallback
+        pairs_.update(store_fb="copy_", load_fb=pairs_["load"], store_vs_fb="store_fb", load_vs_fb="load_fb")
     for k, base in pairs_.items():
-        mine = "store" if k == "store_vs_direct" else k
+        mine = k.split("_vs_")[0]
         v = [r[mine] / r[base] for r in runs]
         q = statistics.quantiles(v, n=4, method="inclusive") if len(v) > 1 else [v[0]] * 3
         row[f"{k}_ratio"], row[f"{k}_iqr"] = statistics.median(v), (q[0], q[2])
@@ -268,7 +294,13 @@ def main():
               "store/direct: the worker's own overhead")
     iqr = lambda r, k: f"{r[k + '_ratio']:.2f} [{r[k + '_iqr'][0]:.2f}-{r[k + '_iqr'][1]:.2f}]"
     cols = ["store", "load"] + ([] if cuda else ["direct", "store_vs_direct"])
-    heads = {"store": "store/copy_", "load": "load/copy_", "direct": "direct/copy_", "store_vs_direct": "store/direct"}
+    if args.fallback:
+        cols += ["store_fb", "load_fb", "store_vs_fb", "load_vs_fb"]
+        print("fallback: a worker without the C extension (the ctypes loop); store/fallback: "
+              "the extension's store over the fallback's in the same repeat")
+    heads = {"store": "store/copy_", "load": "load/copy_", "direct": "direct/copy_", "store_vs_direct": "store/direct",
+             "store_fb": "fallback store/copy_", "load_fb": "fallback load/copy_",
+             "store_vs_fb": "store/fallback", "load_vs_fb": "load/fallback"}
     print(f"| chunk | copy_ GB/s | store GB/s (thread) | load GB/s (thread) | "
           + " | ".join(heads[c] for c in cols) + " |")
     print("|---:" * (4 + len(cols)) + "|")

@@ -1,5 +1,6 @@
-"""The CPU copier's gather path: a job of many small ranges is copied as one
-numpy gather/scatter instead of a memmove per range; bytes must not change."""
+"""The CPU copier's gather path (the fallback without the C extension): a job
+of many small ranges is copied as one numpy gather/scatter instead of a
+memmove per range; bytes must not change."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from kvoffload.tiers.cpu.worker import CPUOffloadingWorker
 
 @pytest.fixture
 def gathers(monkeypatch):
-    """Counts the jobs that took the gather path."""
+    """Counts the jobs that took the gather path (the extension off: it copies every job)."""
+    monkeypatch.setenv("KVOFFLOAD_NATIVE_COPY", "0")
     calls = []
     real = copy_cpu.CPUCopier._gather
     monkeypatch.setattr(copy_cpu.CPUCopier, "_gather", lambda self, plan: (calls.append(plan.job_id), real(self, plan)))

@@ -1,7 +1,7 @@
-"""The memmove path gives up the GIL around one range per GIL_EVERY bytes
-(WAITER_GIL_EVERY in a waiting caller) and keeps it for the others: the
-bytes are the same either way, for ranges below, across and above that
-budget, stored and loaded."""
+"""The fallback's memmove path (no C extension) gives up the GIL around one
+range per GIL_EVERY bytes (WAITER_GIL_EVERY in a waiting caller) and keeps
+it for the others: the bytes are the same either way, for ranges below,
+across and above that budget, stored and loaded."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ CONFIG = OffloadingConfig.from_dict({"groups": [16], "tokens_per_hash": 16})
 def test_ranges_around_the_gil_budget_copy_the_same_bytes(gil_every, monkeypatch):
     if gil_every and copy_cpu._MEMMOVE_KEEPING_GIL is None:
         pytest.skip("no GIL-keeping memmove on this platform")
+    monkeypatch.setenv("KVOFFLOAD_NATIVE_COPY", "0")  # the budgets are the ctypes loop's
     monkeypatch.setattr(copy_cpu, "GIL_EVERY", gil_every)
     monkeypatch.setattr(copy_cpu, "WAITER_GIL_EVERY", gil_every)  # wait() below may copy the job itself
     page = 16 * 1024  # consecutive blocks merge into ranges of 16 KiB ... 1.5 MiB

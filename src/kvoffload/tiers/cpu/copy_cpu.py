@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import os
 import queue
 import threading
 import time
@@ -70,6 +71,19 @@ _MEMMOVE_KEEPING_GIL = _memmove_keeping_gil()
 if _MEMMOVE_KEEPING_GIL is None:
     GIL_EVERY = 0
 
+try:  # built by pip install -e . (setup.py); optional
+    from kvoffload.tiers.cpu import _memcopy
+except ImportError:
+    _memcopy = None
+
+
+def native_copy():
+    """The extension's copy (a job's ranges in one call, without the GIL),
+    or None: not built, or KVOFFLOAD_NATIVE_COPY=0 (tests, benchmarks)."""
+    if _memcopy is None or os.environ.get("KVOFFLOAD_NATIVE_COPY", "1") == "0":
+        return None
+    return _memcopy.copy
+
 Finish = Callable[[int, int, "float | None"], None]  # (job id, bytes or -1 if failed, seconds)
 
 
@@ -95,6 +109,7 @@ class CPUCopier:
             st: self._run_views(kv_caches, st, planner.blocks_per_chunk[g])
             for g, sts in enumerate(planner.strided) for st in sts
         }
+        self._native = native_copy()
         self._gil_every = GIL_EVERY  # of the job being copied (_do sets it)
         self._jobs: deque[tuple] = deque()  # submitted, not started: (job id, direction, groups)
         self._running = threading.Lock()  # held by whoever takes and copies jobs: one at a time, in order
@@ -231,7 +246,10 @@ class CPUCopier:
         job of many small ones), np.copyto each stretch of a strided ref."""
         n = len(plan.size)
         ranged = int(plan.size.sum()) if plan.strided else plan.nbytes  # bytes of the ranges
-        if n >= GATHER_MIN_RANGES and ranged < GATHER_BELOW * n:
+        if self._native is not None:
+            if n:
+                self._copy_native(plan)
+        elif n >= GATHER_MIN_RANGES and ranged < GATHER_BELOW * n:
             self._gather(plan)
         else:
             every = self._gil_every
@@ -257,6 +275,17 @@ class CPUCopier:
                 else:
                     for g, p, _ in stretches:
                         copyto(gv[g], pv[p])
+
+    def _copy_native(self, plan: Plan) -> None:
+        """All of a plan's ranges in one call to the extension."""
+        if len(self._gpu_base) == 1:  # one tensor: its offsets as they are
+            g_base, g_off = int(self._gpu_base[0]), plan.gpu_offset
+        else:
+            g_base, g_off = 0, self._gpu_base[plan.tensor_idx] + plan.gpu_offset
+        if plan.direction == STORE:
+            self._native(self._pool_base, plan.pool_offset, g_base, g_off, plan.size)
+        else:
+            self._native(g_base, g_off, self._pool_base, plan.pool_offset, plan.size)
 
     def _window(self, which: int, size: int) -> np.ndarray:
         """A tensor's (or the pool's, which=-1) bytes as overlapping records

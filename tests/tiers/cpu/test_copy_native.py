@@ -1,0 +1,122 @@
+"""The C copy extension (kvoffload.tiers.cpu._memcopy): its checks, and a
+worker using it moves exactly the bytes of one on the fallback (the ctypes
+loop and numpy gather), for random jobs of stores and loads, merged and
+unmerged ranges, several tensors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from kvoffload.abstractions import CPULoadStoreSpec, GPULoadStoreSpec
+from kvoffload.config import OffloadingConfig
+from kvoffload.kv_caches import make_kv_caches
+from kvoffload.tiers.cpu import copy_cpu
+from kvoffload.tiers.cpu.worker import CPUOffloadingWorker
+
+pytestmark = pytest.mark.skipif(
+    copy_cpu._memcopy is None,
+    reason="the C copy extension is not built (pip install -e . or python setup.py build_ext --inplace); "
+           "the copier uses its ctypes fallback")
+
+CONFIG = OffloadingConfig.from_dict({"groups": [16], "tokens_per_hash": 16})
+I64 = np.int64
+
+
+def addr(a: np.ndarray) -> int:
+    return a.ctypes.data
+
+
+def test_copy_moves_each_range_and_returns_the_bytes():
+    src = np.arange(256, dtype=np.uint8)
+    dst = np.zeros(256, dtype=np.uint8)
+    n = copy_cpu._memcopy.copy(addr(dst), np.array([0, 100, 7], I64), addr(src), np.array([50, 3, 200], I64),
+                               np.array([10, 20, 0], I64))
+    assert n == 30
+    expect = np.zeros(256, dtype=np.uint8)
+    expect[0:10], expect[100:120] = src[50:60], src[3:23]
+    assert np.array_equal(dst, expect)
+    # a negative offset from a base (the copier's bases are each tensor's block 0)
+    copy_cpu._memcopy.copy(addr(dst) + 200, np.array([-200], I64), addr(src), np.array([0], I64), np.array([4], I64))
+    assert dst[:4].tolist() == [0, 1, 2, 3]
+    assert copy_cpu._memcopy.copy(0, np.zeros(0, I64), 0, np.zeros(0, I64), np.zeros(0, I64)) == 0
+
+
+OK = np.zeros(2, I64)
+
+
+@pytest.mark.parametrize(("args", "match"), [
+    ((0, [0, 0], 0, OK, OK), "dst_offsets must be an int64 array, got list"),
+    ((0, OK, 0, OK.astype(np.int32), OK), "src_offsets must be a 1-D int64 array, got format 'i'"),
+    ((0, OK, 0, OK, OK.astype(np.float64)), "sizes must be a 1-D int64 array, got format 'd'"),
+    ((0, np.zeros((2, 1), I64), 0, OK, OK), "dst_offsets must be a 1-D int64 array.*2 dimension"),
+    ((0, np.zeros(4, I64)[::2], 0, OK, OK), "dst_offsets must be contiguous"),
+    ((0, OK, 0, np.zeros(3, I64), OK), "differ in length: 2, 3, 2"),
+    ((0, OK, 0, OK, np.array([0, -1], I64)), r"sizes\[1\] is negative"),
+    ((0, b"\0" * 16, 0, OK, OK), "dst_offsets must be a 1-D int64 array, got format 'B'"),
+])
+def test_bad_arguments_are_a_clear_value_error(args, match):
+    with pytest.raises(ValueError, match=match):
+        copy_cpu._memcopy.copy(*args)
+
+
+def test_wrong_argument_count_or_base_is_a_type_error():
+    with pytest.raises(TypeError, match="takes 5 arguments, got 2"):
+        copy_cpu._memcopy.copy(0, OK)
+    with pytest.raises(TypeError):
+        copy_cpu._memcopy.copy("0", OK, 0, OK, OK)
+
+
+def test_the_env_var_forces_the_fallback(monkeypatch):
+    monkeypatch.delenv("KVOFFLOAD_NATIVE_COPY", raising=False)
+    assert copy_cpu.native_copy() is copy_cpu._memcopy.copy
+    monkeypatch.setenv("KVOFFLOAD_NATIVE_COPY", "0")
+    assert copy_cpu.native_copy() is None
+
+
+def two_workers(pages: list[int], blocks: int, slots: int, seed: int, monkeypatch):
+    """A worker with the extension and one on the fallback, each on its own
+    copy of the same random tensors (one per page size)."""
+    gen = torch.Generator().manual_seed(seed)
+    base = [torch.randint(-128, 128, (blocks, p), dtype=torch.int8, generator=gen) for p in pages]
+    out = []
+    for native in (True, False):
+        monkeypatch.setenv("KVOFFLOAD_NATIVE_COPY", "1" if native else "0")
+        ts = [t.clone() for t in base]
+        w = CPUOffloadingWorker(make_kv_caches(ts), CONFIG, slots)
+        assert (w.copier._native is not None) == native
+        out.append((w, ts))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("pages", [[1024], [1024, 512, 2048], [64 * 1024, 4096]], ids=["1k", "3-tensors", "64k+4k"])
+def test_native_and_fallback_copy_the_same_bytes(pages, seed, monkeypatch):
+    nblocks, nslots = 200, 120
+    workers = two_workers(pages, nblocks, nslots, seed, monkeypatch)
+    try:
+        rng = np.random.default_rng(seed)
+        jobs = []  # the same random jobs for both: stores, then loads into other blocks
+        for j in range(12):
+            n = int(rng.integers(1, 40))
+            if rng.random() < 0.5:  # consecutive blocks into consecutive slots: ranges merge
+                b0, s0 = int(rng.integers(0, nblocks - n)), int(rng.integers(0, nslots - n))
+                blocks, slots = np.arange(b0, b0 + n), np.arange(s0, s0 + n)
+            else:  # scattered: nothing merges
+                blocks, slots = rng.permutation(nblocks)[:n], rng.permutation(nslots)[:n]
+            jobs.append(("store" if j < 6 else "load", blocks, slots))
+        for w, _ in workers:
+            for job_id, (direction, blocks, slots) in enumerate(jobs):
+                gpu, cpu = GPULoadStoreSpec(blocks), CPULoadStoreSpec(slots)
+                ok = w.submit_store(job_id, gpu, cpu) if direction == "store" else w.submit_load(job_id, cpu, gpu)
+                assert ok, w.last_error
+            w.wait(set(range(len(jobs))))
+            assert all(r.success for r in w.get_finished())
+        (native, native_ts), (fallback, fallback_ts) = workers
+        assert np.array_equal(native.pool.array, fallback.pool.array)
+        for a, b in zip(native_ts, fallback_ts):
+            assert torch.equal(a, b)
+    finally:
+        for w, _ in workers:
+            w.shutdown()
