@@ -1,17 +1,18 @@
 """The CPU executor of copy plans: KV tensors in host memory.
 
-One transfer thread plans each job (plan.py) and runs libc memmove over
-raw addresses through ctypes (it beat copy_ loops and
-index_select/index_copy_ here, see docs/BENCHMARKS.md "Copy bandwidth"),
-giving the GIL up around one range per GIL_EVERY bytes (each time it takes
-it back it may wait for another thread), so merged, large ranges matter. A job of many small ranges (mean below GATHER_BELOW: 1 KiB blocks
-in 4 KiB pool chunks never merge) is instead one numpy gather/scatter per
-tensor over views of records of the range size: numpy copies each range
-in its own loop, without a Python call per range (it goes through a
-temporary of the job's bytes, small for such jobs). A strided ref is
-copied as one np.copyto per stretch of its numpy strided views (all
-blocks x fragments; all slots x pages x fragments). Nothing else on the
-copy path allocates beyond the plan's few small arrays.
+One transfer thread plans each job (plan.py) and copies its byte ranges
+with one call to a small C extension (_memcopy.c, built at install by
+setup.py): a memmove per range, the whole job without the GIL, the plan's
+int64 arrays passed as they are (docs/BENCHMARKS.md "Copy bandwidth").
+Without it (no compiler at install, or KVOFFLOAD_NATIVE_COPY=0) the
+fallback calls libc memmove per range through ctypes, giving up the GIL
+around one range per GIL_EVERY bytes (each time it takes it back it may
+wait for another thread), and copies a job of many small ranges (mean
+below GATHER_BELOW: 1 KiB blocks in 4 KiB pool chunks never merge) as one
+numpy gather/scatter per tensor over views of records of the range size.
+A strided ref is copied as one np.copyto per stretch of its numpy strided
+views (all blocks x fragments; all slots x pages x fragments). Nothing
+else on the copy path allocates beyond the plan's few small arrays.
 A caller with nothing to overlap the copies with may have them run in its
 own thread instead (run_inline: the same plan and copy, no hand-offs), and
 a caller about to block on queued jobs (wait) copies them itself.
@@ -38,15 +39,18 @@ from kvoffload.tiers.host_pool import HostPool
 
 logger = logging.getLogger(__name__)
 
-# A job of at least GATHER_MIN_RANGES ranges of mean size below GATHER_BELOW
-# is one gather/scatter instead of a memmove per range: per job of 1,024
-# ranges, 5.5x faster at 1 KiB, 1.7x at 4 KiB, even at 16 KiB, slower from
-# 32 KiB (numpy's gather goes through a temporary; docs/BENCHMARKS.md).
+# The fallback's, without the extension (whose one call per job is 2-8x
+# faster than this gather for jobs of 8-256 ranges of 1-32 KiB). A job of
+# at least GATHER_MIN_RANGES ranges of mean size below GATHER_BELOW is one
+# gather/scatter instead of a memmove per range: per job of 1,024 ranges,
+# 5.5x faster at 1 KiB, 1.7x at 4 KiB, even at 16 KiB, slower from 32 KiB
+# (numpy's gather goes through a temporary; docs/BENCHMARKS.md).
 GATHER_BELOW = 8 * 1024
 GATHER_MIN_RANGES = 16
 
-# The GIL is given up (and must be taken back) around one memmove per
-# GIL_EVERY bytes, not around each range: a thread that takes the GIL back
+# The fallback's memmove loop gives up the GIL (and must take it back)
+# around one memmove per GIL_EVERY bytes, not around each range (the
+# extension gives it up once per job): a thread that takes the GIL back
 # while another holds it waits for a hand-off, tens of us here against 25 us
 # for a 256 KiB copy. 1 MiB: other threads wait at most ~0.1 ms of copying.
 # A caller copying the jobs it waits for (poll with block_on) keeps it for
@@ -110,7 +114,7 @@ class CPUCopier:
             for g, sts in enumerate(planner.strided) for st in sts
         }
         self._native = native_copy()
-        self._gil_every = GIL_EVERY  # of the job being copied (_do sets it)
+        self._gil_every = GIL_EVERY  # of the job being copied (_do sets it; the fallback's)
         self._jobs: deque[tuple] = deque()  # submitted, not started: (job id, direction, groups)
         self._running = threading.Lock()  # held by whoever takes and copies jobs: one at a time, in order
         # True: wake the thread up (it takes every queued job); False: stop
@@ -242,30 +246,13 @@ class CPUCopier:
         return views
 
     def copy(self, plan: Plan) -> None:
-        """The whole CPU copy path: memmove each byte range (or gather a
-        job of many small ones), np.copyto each stretch of a strided ref."""
-        n = len(plan.size)
-        ranged = int(plan.size.sum()) if plan.strided else plan.nbytes  # bytes of the ranges
+        """The whole CPU copy path: the byte ranges (one call to the
+        extension, or the fallback's), np.copyto each stretch of a strided
+        ref."""
         if self._native is not None:
-            if n:
-                self._copy_native(plan)
-        elif n >= GATHER_MIN_RANGES and ranged < GATHER_BELOW * n:
-            self._gather(plan)
+            self._copy_native(plan)
         else:
-            every = self._gil_every
-            if every and ranged < every:  # a small job: the GIL kept throughout
-                keeping = _MEMMOVE_KEEPING_GIL
-                for dst, src, size in plan.ranges(self._gpu_base, self._pool_base):
-                    keeping(dst, src, size)
-            else:  # the GIL given up around one range per `every` bytes (0: no keeping memmove here, each)
-                releasing, keeping, since = ctypes.memmove, _MEMMOVE_KEEPING_GIL, 0
-                for dst, src, size in plan.ranges(self._gpu_base, self._pool_base):
-                    since += size
-                    if since >= every:
-                        releasing(dst, src, size)
-                        since = 0
-                    else:
-                        keeping(dst, src, size)
+            self._copy_fallback(plan)
         copyto = np.copyto
         for st, stretches in plan.strided:
             for gv, pv in self._views[st]:
@@ -286,6 +273,29 @@ class CPUCopier:
             self._native(self._pool_base, plan.pool_offset, g_base, g_off, plan.size)
         else:
             self._native(g_base, g_off, self._pool_base, plan.pool_offset, plan.size)
+
+    def _copy_fallback(self, plan: Plan) -> None:
+        """Without the extension: a memmove per range through ctypes, or a
+        gather for a job of many small ones."""
+        n = len(plan.size)
+        ranged = int(plan.size.sum()) if plan.strided else plan.nbytes  # bytes of the ranges
+        if n >= GATHER_MIN_RANGES and ranged < GATHER_BELOW * n:
+            self._gather(plan)
+            return
+        every = self._gil_every
+        if every and ranged < every:  # a small job: the GIL kept throughout
+            keeping = _MEMMOVE_KEEPING_GIL
+            for dst, src, size in plan.ranges(self._gpu_base, self._pool_base):
+                keeping(dst, src, size)
+        else:  # the GIL given up around one range per `every` bytes (0: no keeping memmove here, each)
+            releasing, keeping, since = ctypes.memmove, _MEMMOVE_KEEPING_GIL, 0
+            for dst, src, size in plan.ranges(self._gpu_base, self._pool_base):
+                since += size
+                if since >= every:
+                    releasing(dst, src, size)
+                    since = 0
+                else:
+                    keeping(dst, src, size)
 
     def _window(self, which: int, size: int) -> np.ndarray:
         """A tensor's (or the pool's, which=-1) bytes as overlapping records
