@@ -73,7 +73,8 @@ def test_an_inline_job_that_fails_is_reported_failed(monkeypatch):
         def broken(plan):
             raise RuntimeError("copy failed")
 
-        monkeypatch.setattr(w.copier, "copy", broken)
+        monkeypatch.setattr(w.copier, "copy", broken)  # the numpy plan's path
+        monkeypatch.setattr(w.copier, "_copy_blocks", lambda direction, groups: broken(None))  # the extension's
         assert w.submit_store(1, GPULoadStoreSpec([0]), CPULoadStoreSpec([0]))
         (r,) = w.get_finished()
         assert (r.job_id, r.success) == (1, False)

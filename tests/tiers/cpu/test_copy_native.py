@@ -120,3 +120,90 @@ def test_native_and_fallback_copy_the_same_bytes(pages, seed, monkeypatch):
     finally:
         for w, _ in workers:
             w.shutdown()
+
+
+def test_copy_blocks_checks_the_slot_count_and_the_pieces():
+    rows, blocks = np.zeros((1, 5), I64), np.arange(5, dtype=I64)
+    with pytest.raises(ValueError, match="5 blocks from page 1 of a 2-page chunk span 3 slots, got 2"):
+        copy_cpu._memcopy.copy_blocks(True, rows, 0, 0, 2, 1, blocks, np.zeros(2, I64))
+    with pytest.raises(ValueError, match="pieces must have 5 columns, got 4"):
+        copy_cpu._memcopy.copy_blocks(True, np.zeros((1, 4), I64), 0, 0, 1, 0, blocks, np.zeros(5, I64))
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        copy_cpu._memcopy.copy_blocks(True, rows, 0, 0, 0, 0, blocks, np.zeros(5, I64))
+    with pytest.raises(TypeError, match="takes 8 arguments"):
+        copy_cpu._memcopy.copy_blocks(True, rows)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_two_groups_of_chunks_of_two_blocks_started_mid_chunk_copy_the_same_bytes(seed, monkeypatch):
+    # group 0: one layer; group 1: two layers of other page sizes; 2 GPU blocks per chunk,
+    # a job's first block anywhere in its chunk; block ids a strided view (a spec may hold one)
+    config = OffloadingConfig.from_dict({"groups": [16, 16], "tokens_per_hash": 16, "blocks_per_chunk": 2})
+    gen = torch.Generator().manual_seed(seed)
+    base = [torch.randint(-128, 128, (64, p), dtype=torch.int8, generator=gen) for p in (512, 256, 1024)]
+    workers = []
+    for native in ("1", "0"):
+        monkeypatch.setenv("KVOFFLOAD_NATIVE_COPY", native)
+        ts = [t.clone() for t in base]
+        workers.append((CPUOffloadingWorker(make_kv_caches(ts, groups=[[0], [1, 2]]), config, 60), ts))
+    assert workers[0][0].copier._rows is not None and workers[1][0].copier._native is None
+    try:
+        rng = np.random.default_rng(seed)
+        jobs, reported = [], []
+        for j in range(10):
+            sizes = [int(rng.integers(1, 12)), int(rng.integers(0, 12))]
+            firsts = [int(rng.integers(0, 4)), int(rng.integers(0, 4))]
+            chunks = sum(-(-(f % 2 + n) // 2) for f, n in zip(firsts, sizes))
+            ids = np.empty(2 * sum(sizes), dtype=np.int64)
+            ids[::2] = rng.permutation(64)[: sum(sizes)]
+            gpu = GPULoadStoreSpec(ids[::2], group_sizes=sizes, block_indices=firsts)
+            jobs.append(("store" if j < 5 else "load", gpu, CPULoadStoreSpec(rng.permutation(60)[:chunks])))
+        for w, _ in workers:
+            for job_id, (direction, gpu, cpu) in enumerate(jobs):
+                ok = w.submit_store(job_id, gpu, cpu) if direction == "store" else w.submit_load(job_id, cpu, gpu)
+                assert ok, w.last_error
+            w.wait(set(range(len(jobs))))
+            results = w.get_finished()
+            assert all(r.success for r in results)
+            reported.append(sorted((r.job_id, r.transfer_size) for r in results))
+        assert reported[0] == reported[1]  # the bytes each job reports
+        (native, native_ts), (fallback, fallback_ts) = workers
+        assert np.array_equal(native.pool.array, fallback.pool.array)
+        for a, b in zip(native_ts, fallback_ts):
+            assert torch.equal(a, b)
+    finally:
+        for w, _ in workers:
+            w.shutdown()
+
+
+def test_outside_matches_the_numpy_check():
+    from kvoffload.tiers.cpu.plan import _outside
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        ids = rng.integers(-3, 40, int(rng.integers(0, 12)))
+        limit = int(rng.integers(0, 40))
+        for view in (ids, ids[::2], ids[::-1]):
+            assert copy_cpu._memcopy.outside(view, limit) == _outside(np.ascontiguousarray(view), limit)
+    with pytest.raises(ValueError, match="ids must be a 1-D int64 array"):
+        copy_cpu._memcopy.outside(np.zeros(2, np.int32), 5)
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        copy_cpu._memcopy.outside(OK)
+
+
+def test_the_planner_checks_ids_with_the_extension_unless_turned_off(monkeypatch):
+    t = torch.zeros((8, 64), dtype=torch.int8)
+    monkeypatch.delenv("KVOFFLOAD_NATIVE_COPY", raising=False)
+    w = CPUOffloadingWorker(make_kv_caches([t]), CONFIG, 4)
+    monkeypatch.setenv("KVOFFLOAD_NATIVE_COPY", "0")
+    w_fb = CPUOffloadingWorker(make_kv_caches([t]), CONFIG, 4)
+    try:
+        assert w.planner._outside is copy_cpu._memcopy.outside and w_fb.planner._outside is not w.planner._outside
+        for worker in (w, w_fb):
+            assert not worker.submit_store(1, GPULoadStoreSpec([8]), CPULoadStoreSpec([0]))
+            assert "GPU block ids must be in [0, 8)" in worker.last_error
+            assert not worker.submit_store(1, GPULoadStoreSpec([0]), CPULoadStoreSpec([-1]))
+            assert "CPU slot ids must be in [0, 4)" in worker.last_error
+    finally:
+        w.shutdown()
+        w_fb.shutdown()

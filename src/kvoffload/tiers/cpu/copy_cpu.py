@@ -1,9 +1,13 @@
 """The CPU executor of copy plans: KV tensors in host memory.
 
-One transfer thread plans each job (plan.py) and copies its byte ranges
-with one call to a small C extension (_memcopy.c, built at install by
-setup.py): a memmove per range, the whole job without the GIL, the plan's
-int64 arrays passed as they are (docs/BENCHMARKS.md "Copy bandwidth").
+One transfer thread copies each job with a small C extension (_memcopy.c,
+built at install by setup.py): a memmove per range, the whole job without
+the GIL (docs/BENCHMARKS.md "Copy bandwidth"). Where no ref is strided, the
+extension also computes the job's addresses (copy_blocks: one call per KV
+group, from the planner's pieces, the GPU blocks and the pool slots; after
+a large copy the caches are cold and each numpy call of the planner costs
+~10 us); else (or for a store into a pool the TP ranks share, whose
+writer filter is the planner's) the plan (plan.py) goes in as its arrays.
 Without it (no compiler at install, or KVOFFLOAD_NATIVE_COPY=0) the
 fallback calls libc memmove per range through ctypes, giving up the GIL
 around one range per GIL_EVERY bytes (each time it takes it back it may
@@ -23,18 +27,18 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
-import os
 import queue
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from kvoffload.abstractions import CanonicalKVCaches
-from kvoffload.tiers.cpu.plan import STORE, CopyPlanner, GroupJob, Plan, StridedRef, base_addresses
+from kvoffload.tiers.cpu.plan import STORE, CopyPlanner, GroupJob, Plan, StridedRef, base_addresses, native_module
 from kvoffload.tiers.host_pool import HostPool
 
 logger = logging.getLogger(__name__)
@@ -84,11 +88,21 @@ except ImportError:
 def native_copy():
     """The extension's copy (a job's ranges in one call, without the GIL),
     or None: not built, or KVOFFLOAD_NATIVE_COPY=0 (tests, benchmarks)."""
-    if _memcopy is None or os.environ.get("KVOFFLOAD_NATIVE_COPY", "1") == "0":
-        return None
-    return _memcopy.copy
+    native = native_module()
+    return None if native is None else native.copy
+
 
 Finish = Callable[[int, int, "float | None"], None]  # (job id, bytes or -1 if failed, seconds)
+
+
+class BlockJob(NamedTuple):
+    """A job the extension plans and copies itself (copy_blocks), in place
+    of the planner's Plan: no strided refs, nothing to filter by writer."""
+
+    job_id: int
+    direction: str
+    groups: list[GroupJob]
+    nbytes: int
 
 
 class CPUCopier:
@@ -114,6 +128,13 @@ class CPUCopier:
             for g, sts in enumerate(planner.strided) for st in sts
         }
         self._native = native_copy()
+        # per group, its pieces as copy_blocks' rows: a job is then planned and copied in one C call
+        # per group; only without strided refs (those are numpy views, copied from a plan)
+        self._rows = None
+        if self._native is not None and not any(planner.strided):
+            self._rows = [np.ascontiguousarray(np.stack(
+                [self._gpu_base[p.tensor_idx] + p.src_offset, p.block_stride, p.chunk_offset, p.page_in_chunk,
+                 p.size], axis=1).reshape(-1, 5), dtype=np.int64) for p in planner.pieces]
         self._gil_every = GIL_EVERY  # of the job being copied (_do sets it; the fallback's)
         self._jobs: deque[tuple] = deque()  # submitted, not started: (job id, direction, groups)
         self._running = threading.Lock()  # held by whoever takes and copies jobs: one at a time, in order
@@ -214,7 +235,7 @@ class CPUCopier:
         two gives of the GIL (GIL_EVERY if None)."""
         t0 = time.perf_counter()
         try:
-            plan = self.planner.plan(job_id, direction, groups)
+            plan = self._plan(job_id, direction, groups)
             self._gil_every = GIL_EVERY if gil_every is None or not GIL_EVERY else gil_every
             self.copy(plan)
         except Exception:  # a failed job never takes the thread down
@@ -222,6 +243,25 @@ class CPUCopier:
             self._finish(job_id, -1, time.perf_counter() - t0)
         else:
             self._finish(job_id, plan.nbytes, time.perf_counter() - t0)
+
+    def _plan(self, job_id: int, direction: str, groups: list[GroupJob]) -> Plan | BlockJob:
+        """The planner's numpy plan, or a BlockJob where the extension can
+        plan the job itself: Python run right after a large copy finds the
+        caches cold (a 32-chunk job's numpy plan took 80-180 us there, 12 us
+        warm). Not for a store into a pool the TP ranks share (a rank writes
+        only the blocks it is the writer of: the planner filters them)."""
+        if self._rows is None or (direction == STORE and self.planner.shared_pool):
+            return self.planner.plan(job_id, direction, groups)
+        pieces = self.planner.pieces
+        return BlockJob(job_id, direction, groups, sum([len(b) * pieces[g].total for g, b, _, _ in groups]))
+
+    def _copy_blocks(self, job: BlockJob) -> None:
+        """One copy_blocks call per group: the plan's addresses, unmerged
+        (a memmove call costs ~10 ns in C)."""
+        store, pool, slot_bytes, k = job.direction == STORE, self._pool_base, self.planner.slot_bytes, \
+            self.planner.blocks_per_chunk
+        for g, blocks, slots, skip in job.groups:
+            _memcopy.copy_blocks(store, self._rows[g], pool, slot_bytes, k[g], skip, blocks, slots)
 
     def _run_views(self, kv_caches: CanonicalKVCaches, st: StridedRef, k: int) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per CopyRun of a strided ref: its fragments in every GPU block,
@@ -245,10 +285,13 @@ class CPUCopier:
             views.append((gv, pv))
         return views
 
-    def copy(self, plan: Plan) -> None:
+    def copy(self, plan: Plan | BlockJob) -> None:
         """The whole CPU copy path: the byte ranges (one call to the
         extension, or the fallback's), np.copyto each stretch of a strided
-        ref."""
+        ref; or a BlockJob's copy_blocks calls."""
+        if isinstance(plan, BlockJob):
+            self._copy_blocks(plan)
+            return
         if self._native is not None:
             self._copy_native(plan)
         else:

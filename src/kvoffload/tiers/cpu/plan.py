@@ -1,6 +1,7 @@
 """The CPU tier's copy planner: which bytes a store or load job moves.
 
-Pure numpy, no copying, shared by both executors (copy_cpu.py, copy_cuda.py).
+Numpy, no copying, shared by both executors (copy_cpu.py, copy_cuda.py);
+the per-job id check calls the C extension (_memcopy.c) when it is built.
 
 Chunk layout inside a pool slot of a key of group g: for each ref of
 group_data_refs[g] in order, gpu_blocks_per_chunk(g) pages of that ref,
@@ -26,6 +27,7 @@ previous one on both sides merged; plus its strided refs' stretches.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -275,6 +277,18 @@ def _outside(ids: np.ndarray, limit: int) -> bool:
     return bool((ids.view(np.uint64) >= limit).any())
 
 
+def native_module():
+    """The C extension (tiers/cpu/_memcopy.c, built at install by setup.py),
+    or None: not built, or KVOFFLOAD_NATIVE_COPY=0 (the fallback: tests,
+    benchmarks). Its calls replace numpy ones run per job: Python right
+    after a large copy finds the caches cold, ~10 us per numpy call here."""
+    try:
+        from kvoffload.tiers.cpu import _memcopy
+    except ImportError:
+        return None
+    return None if os.environ.get("KVOFFLOAD_NATIVE_COPY", "1") == "0" else _memcopy
+
+
 class CopyPlanner:
     """Checks jobs and plans their copies for one worker's KV caches and pool.
 
@@ -287,6 +301,8 @@ class CopyPlanner:
     def __init__(self, kv_caches: CanonicalKVCaches, config: OffloadingConfig, layout,
                  num_slots: int, slot_bytes: int, shared_pool: bool, strided: bool):
         self.num_slots, self.slot_bytes, self.shared_pool = num_slots, slot_bytes, shared_pool
+        native = native_module()
+        self._outside = native.outside if native is not None else _outside
         self.strided: list[list[StridedRef]] = [[] for _ in layout]
         self.pieces = [group_pieces(kv_caches, layout, g, self.strided[g] if strided else None)
                        for g in range(len(layout))]
@@ -306,22 +322,23 @@ class CopyPlanner:
             raise ValueError(f"CPU side must be a CPULoadStoreSpec, got {type(cpu).__name__}")
         if len(gpu.group_sizes) != len(self.pieces):
             raise ValueError(f"spec has {len(gpu.group_sizes)} groups, kv caches have {len(self.pieces)}")
-        slots = cpu.slots
-        if _outside(slots, self.num_slots):
+        slots, outside = cpu.slots, self._outside
+        whole = len(gpu.group_sizes) == 1  # one group: the spec's arrays are its own (no slicing)
+        if outside(slots, self.num_slots):
             raise ValueError(f"CPU slot ids must be in [0, {self.num_slots}), got {slots.tolist()}")
         groups, block_start, slot_start = [], 0, 0
         for g, (n, first) in enumerate(zip(gpu.group_sizes, gpu.block_indices)):
             k = self.blocks_per_chunk[g]
             skip = first % k
             n_chunks = -(-(skip + n) // k)
-            blocks = gpu.block_ids[block_start : block_start + n]
-            group_slots = slots[slot_start : slot_start + n_chunks]
+            blocks = gpu.block_ids if whole else gpu.block_ids[block_start : block_start + n]
+            group_slots = slots if whole and n_chunks == len(slots) else slots[slot_start : slot_start + n_chunks]
             block_start += n
             slot_start += n_chunks
             if n == 0 or not (len(self.pieces[g].size) or self.strided[g]) or len(group_slots) < n_chunks:
                 continue  # nothing to copy (a short slot list is reported below)
             limit = self.block_limit[g]
-            if _outside(blocks, limit):
+            if outside(blocks, limit):
                 raise ValueError(f"group {g}: GPU block ids must be in [0, {limit}), got {blocks.tolist()}")
             groups.append(GroupJob(g, blocks, group_slots, skip))
         if slot_start != len(slots):
