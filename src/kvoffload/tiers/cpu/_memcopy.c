@@ -11,7 +11,8 @@
    addresses; this only checks the arrays' shape and type.
 
    copy_blocks(...): the same for one KV group's job given as GPU blocks and
-   pool slots, its addresses computed here (below). */
+   pool slots, its addresses computed here; outside(ids, limit): the planner's
+   id check (both below). */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -186,6 +187,6 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_memcopy", "A job's byte ranges in one call.", -1, methods};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_memcopy", "The CPU tier's copy: a job's byte ranges in one call, without the GIL.", -1, methods};
 
 PyMODINIT_FUNC PyInit__memcopy(void) { return PyModule_Create(&module); }
