@@ -187,6 +187,8 @@ static PyMethodDef methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_memcopy", "The CPU tier's copy: a job's byte ranges in one call, without the GIL.", -1, methods};
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_memcopy", "The CPU tier's copy: a job's byte ranges in one call, without the GIL.",
+    -1, methods};
 
 PyMODINIT_FUNC PyInit__memcopy(void) { return PyModule_Create(&module); }
