@@ -376,9 +376,17 @@ def test_keys_share_the_objects_of_the_last_request_with_the_same_head(mooncake_
     engine = ReplayEngine(tr, opts(8))
     try:
         runs = [[1, 2, 3], [1, 2, 3, 4, 5], [1, 2, 9, 4], [1, 2], [7, 1, 2], [1, 2, 9, 4, 6], []]
-        got = [engine._keys_sharing_prefix(np.array(r, dtype=np.int64)) for r in runs]
-        for r, keys in zip(runs, got):  # the contract's keys, whatever came before
+        both = [engine._keys_sharing_prefix(np.array(r, dtype=np.int64)) for r in runs]
+        got = [keys for keys, _ in both]
+        for r, (keys, positions) in zip(runs, both):  # the contract's keys, whatever came before
             assert keys == offload_keys(np.array(r, dtype=np.int64))
+            # and each key's end-token position, in key order (as built pair by pair)
+            assert list(positions.items()) == [(k, 4 * (i + 1)) for i, k in enumerate(keys)]
+        # a key listed twice: its last position (as a plain update gives)
+        keys, positions = engine._keys_sharing_prefix(np.array([1, 2, 3, 2], dtype=np.int64))
+        assert positions == {keys[0]: 4, keys[1]: 16, keys[2]: 12}
+        keys, positions = engine._keys_sharing_prefix(np.array([1, 2, 5], dtype=np.int64))
+        assert positions == {keys[0]: 4, keys[1]: 8, keys[2]: 12}
         assert all(a is b for a, b in zip(got[0], got[1][:3]))  # a longer turn reuses the objects
         assert got[2][1] is got[1][1] and got[2][2] is not got[1][2]  # up to where they differ
         # only the last request with that head is shared ([1, 2], not [1, 2, 9, 4])
@@ -393,10 +401,10 @@ def test_gpu_hands_out_the_lowest_free_slots_ascending():
 
     gpu = GPUBlocks(8, 64, cache_blocks=0, shared=False)
     first = gpu.allocate(5)
-    assert first == [0, 1, 2, 3, 4]
+    assert first.tolist() == [0, 1, 2, 3, 4]
     gpu.release([3, 0, 4])  # released in any order
-    assert gpu.allocate(2) == [0, 3]
-    assert gpu.allocate(4) == [4, 5, 6, 7]
+    assert gpu.allocate(2).tolist() == [0, 3]
+    assert gpu.allocate(4).tolist() == [4, 5, 6, 7]
     assert gpu.allocate(1) is None  # none left
     gpu.release([6, 1])
-    assert gpu.allocate(2) == [1, 6]  # the lowest free, ascending, wherever they lie
+    assert gpu.allocate(2).tolist() == [1, 6]  # the lowest free, ascending, wherever they lie

@@ -10,7 +10,7 @@ def _cached(gpu: GPUBlocks, hashes: list[int]) -> list[int]:
     slots = gpu.allocate(len(hashes))
     gpu.register(slots, hashes)
     gpu.release(slots)
-    return slots
+    return slots.tolist()
 
 
 def test_a_request_never_evicts_its_own_gpu_hits():
@@ -20,7 +20,7 @@ def test_a_request_never_evicts_its_own_gpu_hits():
     assert gpu.can_allocate(2, [7])
     hit = gpu.acquire([7])
     fresh = gpu.allocate(2)
-    assert hit == [s7] and sorted(fresh + hit) == [0, 1, 2] and gpu.slot_of == {7: s7}
+    assert hit == [s7] and sorted(fresh.tolist() + hit) == [0, 1, 2] and gpu.slot_of == {7: s7}
 
 
 def test_no_room_once_hits_are_taken_changes_nothing():
@@ -29,7 +29,7 @@ def test_no_room_once_hits_are_taken_changes_nothing():
     # 3 idle blocks: 3 fresh ones fit for a request without hits, not for one hitting 7
     assert gpu.can_allocate(3, []) and not gpu.can_allocate(3, [7])
     assert gpu.allocate(4) is None
-    assert list(gpu.idle) == [7, 8, 9] and gpu.evictions == 0 and not gpu.free
+    assert list(gpu.idle) == [7, 8, 9] and gpu.evictions == 0 and gpu.num_free == 0
 
 
 def test_abort_every_request_with_idle_gpu_hits():

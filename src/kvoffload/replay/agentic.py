@@ -188,5 +188,6 @@ class _Parser:
         if len(ids) not in (full, ceil):
             raise TraceError(f"{self.f}: {at}: hash_ids has {len(ids)} entries but in={n_in} needs "
                              f"floor({n_in}/{self.bs})={full} (full blocks) or ceil={ceil}")
-        keys = _mix64_array(arr ^ self.salt).tolist()
-        return Request(f"{self.stem}:{len(self.out)}", arrival_ms, n_in, n_out, keys, session=agent)
+        hashes = _mix64_array(arr ^ self.salt)
+        return Request(f"{self.stem}:{len(self.out)}", arrival_ms, n_in, n_out, hashes.tolist(), session=agent,
+                       hash_array=hashes.view(np.int64))

@@ -1,8 +1,10 @@
 """The simulated GPU side of a replay: a KV tensor of block slots and the
 GPU prefix cache over it (block contents: replay/contents.py).
 
-Bookkeeping is per request, not per block, where it can be: refcounts in a
-numpy array, slot<->hash maps filled and emptied with dict operations.
+Bookkeeping is per request, not per block, where it can be: refcounts and
+free slots in numpy arrays (a request's slots are one int64 array from
+allocation to release: no list<->array conversions), slot<->hash maps
+filled and emptied with dict operations.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class GPUBlocks:
         self.words = self.tensor.numpy().view(np.int64)  # (num_blocks, page_bytes // 8)
         self.cache_blocks = cache_blocks
         self.track = shared or cache_blocks > 0
-        self.free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.is_free = np.ones(num_blocks, dtype=bool)
+        self.num_free = num_blocks
         self.slot_of: dict[int, int] = {}  # block hash -> slot (in use or idle)
         self.hash_of: dict[int, int] = {}  # slot -> block hash (slots with one)
         self.refs = np.zeros(num_blocks, dtype=np.int64)
@@ -70,7 +73,7 @@ class GPUBlocks:
         """Whether n fresh slots can be had once the cached blocks `hits`
         are acquired (vLLM's allocate_slots check: an idle hit block is not
         free for this request, since it is about to take it)."""
-        room = len(self.free)
+        room = self.num_free
         if room >= n:
             return True
         room += len(self.idle)
@@ -78,36 +81,39 @@ class GPUBlocks:
             room -= len(self.idle.keys() & hits)
         return room >= n
 
-    def allocate(self, n: int) -> list[int] | None:
-        """n fresh slots, evicting idle cached blocks if needed; None (and
-        nothing evicted) if the running requests hold too many. A caller
-        with GPU hits checks can_allocate and acquires them first, so they
-        are not evicted for its own fresh blocks."""
-        if len(self.free) + len(self.idle) < n:
+    def allocate(self, n: int) -> np.ndarray | None:
+        """n fresh slots (int64, ascending), evicting idle cached blocks if
+        needed; None (and nothing evicted) if the running requests hold too
+        many. A caller with GPU hits checks can_allocate and acquires them
+        first, so they are not evicted for its own fresh blocks."""
+        if self.num_free + len(self.idle) < n:
             return None
-        while len(self.free) < n:
+        while self.num_free < n:
             h, s = self.idle.popitem(last=False)
             del self.slot_of[h]
             del self.hash_of[s]
-            self.free.append(s)
+            self._free(s)
             self.evictions += 1
-        free = self.free
         # The n lowest free slots, ascending: a request's blocks then lie in
         # one stretch of the tensor whenever the free slots allow (always with
         # one request at a time), so its fills and copies run over contiguous
         # rows. Which slot a block gets changes no hit and no byte.
-        free.sort(reverse=True)  # (nearly sorted already: cheap)
-        slots = free[len(free) - n:]
-        del free[len(free) - n:]
-        slots.reverse()
+        slots = np.flatnonzero(self.is_free)[:n].astype(np.int64, copy=False)
+        self.is_free[slots] = False
+        self.num_free -= n
         self.refs[slots] = 1
         return slots
 
-    def register(self, slots: list[int], hashes: list[int]) -> None:
+    def _free(self, s: int) -> None:
+        self.is_free[s] = True
+        self.num_free += 1
+
+    def register(self, slots: np.ndarray, hashes: list[int]) -> None:
         """Computed or loaded blocks become prefix-cache hits (the first slot
         of a hash listed twice; a hash or slot that has one already keeps it)."""
         if not self.track:
             return
+        slots = slots.tolist()
         new = dict(zip(reversed(hashes), reversed(slots)))  # reversed: the first slot wins
         slot_of, hash_of = self.slot_of, self.hash_of
         for h in new.keys() & slot_of.keys():
@@ -117,35 +123,38 @@ class GPUBlocks:
         slot_of.update(new)
         hash_of.update(zip(new.values(), new.keys()))
 
-    def release(self, slots: list[int]) -> None:
+    def release(self, slots) -> None:
         """Drop a reference on each slot (each listed once); the last one
-        makes a slot free, or an idle cache entry if it has a hash."""
-        if not slots:
+        makes a slot free, or an idle cache entry if it has a hash. Idle
+        entries are ranked in the order given (vLLM frees a request's tail
+        first)."""
+        if not len(slots):
             return
         refs = self.refs
         idx = np.asarray(slots, dtype=np.int64)
         refs[idx] -= 1
-        done = idx[refs[idx] == 0].tolist()
-        if not done:
+        done = idx[refs[idx] == 0]
+        if not len(done):
             return
         hash_of, slot_of, cap = self.hash_of, self.slot_of, self.cache_blocks
         if not cap:  # no prefix cache: every slot is simply free again
             if hash_of:
-                hashes = list(filter(partial(is_not, None), map(hash_of.pop, done, repeat(None))))
+                hashes = list(filter(partial(is_not, None), map(hash_of.pop, done.tolist(), repeat(None))))
                 for h in hashes:
                     del slot_of[h]
-            self.free.extend(done)
+            self.is_free[done] = True
+            self.num_free += len(done)
             return
         idle = self.idle
-        for s in done:
+        for s in done.tolist():
             h = hash_of.get(s)
             if h is None:
-                self.free.append(s)
+                self._free(s)
                 continue
             idle[h] = s
             if len(idle) > cap:
                 h2, s2 = idle.popitem(last=False)
                 del slot_of[h2]
                 del hash_of[s2]
-                self.free.append(s2)
+                self._free(s2)
                 self.evictions += 1

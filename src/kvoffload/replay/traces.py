@@ -52,6 +52,10 @@ class Request:
     decode_hashes: list[int] | None = None
     session: str | None = None
     kv_transfer_params: dict | None = None  # handed to the offloading manager as is
+    # block_hashes as int64 (the replay's content seeds), from a loader that
+    # has them in an array already: saves the replay a conversion per block.
+    # Whoever changes block_hashes afterwards sets this back to None.
+    hash_array: np.ndarray | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass
