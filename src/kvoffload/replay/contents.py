@@ -53,8 +53,8 @@ class BlockContents:
         n = len(slots)
         if not n:
             return
-        a = int(slots[0])
-        if int(slots[-1]) == a + n - 1 and (n < 3 or (np.diff(slots) == 1).all()):
+        a = _stretch(slots)
+        if a is not None:
             np.add(self._base, seeds[:, None], out=self.words[a:a + n])  # one stretch: in place
         else:
             self.words[slots] = self._base + seeds[:, None]
@@ -71,7 +71,11 @@ class BlockContents:
             self._loads += 1
             middle = 1 + (self._loads * 7919 + np.arange(SAMPLE_WORDS - 2) * self._step) % (n - 2)
             idx = np.concatenate(([0, n - 1], middle))
-            got = self.words.reshape(-1).take(slots[:, None] * n + idx[None, :])  # one flat gather
+            a = _stretch(slots)
+            if a is not None:  # one stretch of rows (the usual case): a column gather over them
+                got = self.words[a:a + len(slots)].take(idx, axis=1)
+            else:
+                got = self.words.reshape(-1).take(slots[:, None] * n + idx[None, :])  # one flat gather
             want = self._base[idx][None, :] + seeds[:, None]
         if np.array_equal(got, want):  # one pass: every block matches (the usual case)
             return np.empty(0, dtype=np.int64)
@@ -80,3 +84,12 @@ class BlockContents:
     def words_checked(self, blocks: int) -> int:
         """Words the checks of `blocks` loaded blocks compare."""
         return blocks * (SAMPLE_WORDS if self._sampled else self.words.shape[1])
+
+
+def _stretch(slots: np.ndarray) -> int | None:
+    """The first slot if slots are one ascending stretch (a, a+1, ...), else None."""
+    n = len(slots)
+    a = int(slots[0])
+    if int(slots[-1]) == a + n - 1 and (n < 3 or (np.diff(slots) == 1).all()):
+        return a
+    return None

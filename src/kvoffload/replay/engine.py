@@ -200,7 +200,9 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
         self._job_step: dict[int, int] = {}  # vllm order: job -> step it was submitted
         self._held: list = []  # vllm order: results of jobs submitted this step, applied next step
         self._stale: set[int] = set()  # jobs in flight at a reset: completions dropped
-        self._fence: dict[int, int] = {}  # GPU slot -> store job that may still read it
+        # GPU slot -> the store job that may still read it (0: none); set when a
+        # request frees its slots, cleared when they are allocated again
+        self._fence = np.zeros(num_gpu, dtype=np.int64)
         self.finishing: list[Running] = []  # vllm order: finished, on_request_finished next step
         self._zombies: list[Running] = []  # aborted while loading: slots freed when the load lands
         self._to_submit: list[Job] = []  # vllm order: loads prepared, for this step's worker phase
@@ -359,7 +361,8 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
             sel = slice(first_new, None)
         with self._content:
             self.contents.fill(run.slot_array[sel], run.seeds[sel])
-            self.gpu.register(run.slots[run.n_gpu:], run.hashes[run.n_gpu:])
+            if self.gpu.track:
+                self.gpu.register(run.slots[run.n_gpu:], run.hashes[run.n_gpu:])
 
     def _sample(self, done: int) -> None:
         self._collect_stats()

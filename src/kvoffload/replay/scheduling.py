@@ -137,7 +137,8 @@ class Scheduling:
                 dec = req.decode_hashes if req.decode_hashes is not None else unique_hashes(req, n_dec)
                 dec_seeds = seeds_of(dec)
                 keys = keys + offload_keys(dec_seeds)
-                hashes = hashes + list(dec)
+                if self.gpu.track:  # (the hashes serve the GPU prefix cache alone)
+                    hashes = hashes + list(dec)
                 seeds = np.concatenate((seeds, dec_seeds))
             run = Running(req, ctx, keys, hashes, slots, n_gpu, n_off, slots, seeds,
                           request_level=seen.request_level, jobs=seen.jobs, seen=seen, first_step=step,
@@ -188,9 +189,12 @@ class Scheduling:
         """Fresh GPU slots; a store still reading one of them is waited for
         first (vLLM's flush of a job whose blocks are re-allocated)."""
         fresh = self.gpu.allocate(n)
-        if fresh is not None and len(fresh) and self._fence:
-            fence = self._fence
-            jobs = {fence.pop(s) for s in fence.keys() & fresh.tolist()}
+        if fresh is not None and len(fresh):
+            fenced = self._fence[fresh]
+            if not fenced.any():
+                return fresh
+            self._fence[fresh] = 0
+            jobs = set(fenced[fenced > 0].tolist())
             jobs.intersection_update(self._jobs)
             if jobs:
                 self.c["fence_waits"] += 1

@@ -38,7 +38,7 @@ class Running:
     req: Request
     ctx: ReqContext
     keys: list[bytes]  # prompt keys, then decode keys
-    hashes: list[int]
+    hashes: list[int]  # block hashes (decode ones only when the GPU tracks hashes: gpu.track)
     slots: np.ndarray  # GPU slots (int64), one per key
     n_gpu: int
     n_off: int

@@ -137,7 +137,7 @@ class VllmOrder:
         for job_id in run.jobs:
             job = self._jobs.get(job_id)
             if job is not None and not job.is_load:
-                fence.update(dict.fromkeys(job.slots.tolist(), job_id))
+                fence[job.slots] = job_id
         self.running.remove(run)
         self.gpu.release(run.slots[::-1])
 
