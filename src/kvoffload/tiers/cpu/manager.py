@@ -163,15 +163,16 @@ class CPUOffloadingManager(OffloadingManager):
             raise self._not_held(keys, "prepare_load") from None
         rec = record_of(req_context, self)  # before pinning: a bad context raises with nothing changed
         newly_pinned = 0
-        for i, s in enumerate(slots):
+        for s in slots:  # (no enumerate: the error path finds its place)
             v = state[s]
-            if v == PENDING:
-                for s2 in slots[:i]:  # undo: nothing changes on error
+            if not v:
+                newly_pinned += 1
+            elif v == PENDING:
+                # the loop stops at a pending slot's first listing (nothing here makes one pending)
+                for s2 in slots[:slots.index(s)]:  # undo: nothing changes on error
                     state[s2] -= 1
                 key = next(k for k in keys if slot_of[k] == s)
                 raise BlockStateError(f"{self.name}: prepare_load of key {key!r} that is still being written")
-            if v == 0:
-                newly_pinned += 1
             state[s] = v + 1
         self._num_pinned += newly_pinned
         if rec is not None:
