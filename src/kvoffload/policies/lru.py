@@ -166,8 +166,11 @@ class LRUPolicy(EvictionPolicy):
             return None
         # The common case in C: the n oldest keys are loose (no live group)
         # and evictable; they go oldest first, as the loop below takes them.
-        head = list(islice(order.values(), n)) if n >= BATCH_MIN else ()
-        if head and (head.count(None) == n or all(g is None or not g.live for g in head)):
+        # Their values are None or a few groups: each distinct one is looked
+        # at once (a set, by identity; list.count(None) would call
+        # _Group.__eq__ on every group value).
+        head = list(islice(order.values(), n)) if n >= BATCH_MIN // 4 else ()
+        if head and all(g is None or not g.live for g in set(head)):
             victims = list(islice(order, n))
             fast = getattr(can_evict, "all", None)
             if fast(victims) if fast is not None else all(map(can_evict, victims)):

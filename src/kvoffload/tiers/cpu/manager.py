@@ -142,7 +142,7 @@ class CPUOffloadingManager(OffloadingManager):
         else:
             del slots[n:]
         state = self._state
-        if PENDING in map(state.__getitem__, slots):
+        if self._num_pending and PENDING in map(state.__getitem__, slots):  # (none pending: no scan)
             n = list(map(state.__getitem__, slots)).index(PENDING)
             self._hits += n
             self._hits_pending += 1
@@ -299,7 +299,7 @@ class CPUOffloadingManager(OffloadingManager):
             check_keys(list(keys))
             missing = next(k for k in keys if k not in slot_of)
             raise BlockStateError(f"{self.name}: complete_store of key {missing!r} that was never prepared") from None
-        values = [state[s] for s in slots]
+        values = list(map(state.__getitem__, slots))
         if max(values) == PENDING:  # all pending: the usual case
             pending = list(keys)
         else:
