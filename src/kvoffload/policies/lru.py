@@ -146,6 +146,7 @@ class LRUPolicy(EvictionPolicy):
             if group is not None:
                 group.live = False
                 group.keys = []
+                group.positions = {}  # (the request's dict: not kept alive by its keys' values)
         if _move_all(self._order, keys):
             return
         move = self._order.move_to_end
