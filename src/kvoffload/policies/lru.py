@@ -170,7 +170,7 @@ class LRUPolicy(EvictionPolicy):
         # Their values are None or a few groups: each distinct one is looked
         # at once (a set, by identity; list.count(None) would call
         # _Group.__eq__ on every group value).
-        head = list(islice(order.values(), n)) if n >= BATCH_MIN // 4 else ()
+        head = list(islice(order.values(), n)) if n >= BATCH_MIN else ()
         if head and all(g is None or not g.live for g in set(head)):
             victims = list(islice(order, n))
             fast = getattr(can_evict, "all", None)

@@ -85,9 +85,10 @@ def rank_of(ctx: ReqContext | None, owner: object) -> dict | None:
 def sort_by(keys: list[bytes], rank: dict[bytes, int]) -> list[bytes]:
     """keys by rank (positions or prepare order); unranked keys last, in given order."""
     try:
-        ranks = list(map(rank.__getitem__, keys))
-        if ranks == sorted(ranks):  # in order already (the usual case): two C passes, no keyed sort
-            return list(keys)
+        if len(keys) >= 64:  # a long batch is usually in order already: two C passes, no keyed sort
+            ranks = list(map(rank.__getitem__, keys))
+            if ranks == sorted(ranks):
+                return list(keys)
         return sorted(keys, key=rank.__getitem__)
     except KeyError:
         get = rank.get
