@@ -24,6 +24,8 @@ def deep_state(obj, skip: frozenset[str] = frozenset(), _seen: dict | None = Non
     def rec(x):
         return deep_state(x, skip, seen)
 
+    if isinstance(obj, bytearray):  # (the CPU tier's slot states)
+        return ("bytearray", bytes(obj))
     if isinstance(obj, (list, tuple, deque)):
         return (type(obj).__name__, [rec(x) for x in obj])
     if isinstance(obj, OrderedDict):

@@ -21,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvoffload.abstractions import ReqContext
 from kvoffload.keys import make_offload_key
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
+from kvoffload.tiers.cpu.slot_state import PENDING
 
 CAPACITY = 5
 KEYS = [make_offload_key(i.to_bytes(4, "big"), 0) for i in range(12)]
@@ -152,7 +153,7 @@ class ChainMachine(RuleBasedStateMachine):
         ready = {k for k, s in self.state.items() if s == "ready"}
         assert {k for k in KEYS if k in m.policy} == ready and len(m.policy) == len(ready)
         for k, s in self.state.items():
-            assert m._state[m._slot_of[k]] == (-1 if s == "pending" else self.pins[k])
+            assert m._state[m._slot_of[k]] == (PENDING if s == "pending" else self.pins[k])
         g = m.get_stats().gauges
         assert g["pinned_blocks"] == sum(1 for k in self.state if self.pins[k])
         assert g["used_blocks"] == len(self.state)

@@ -39,6 +39,7 @@ from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 from kvoffload.tiers.storage.tier import StorageTier
+from kvoffload.tiers.cpu.slot_state import PENDING as WRITING
 from tiering_rig import LateReports
 
 CHUNK = 4096
@@ -267,16 +268,16 @@ class TieringMachine(RuleBasedStateMachine):
         jobs = self.mgr.jobs  # those of an earlier epoch hold nothing in CPU any more
         promoting = [k for job in jobs if not job.is_store and job.epoch == jobs.epoch for k in job.keys]
         cascading = Counter(k for job in jobs if job.is_store and job.epoch == jobs.epoch for k in job.keys)
-        pending = {k for k, s in cpu._slot_of.items() if cpu._state[s] == -1}
+        pending = {k for k, s in cpu._slot_of.items() if cpu._state[s] == WRITING}
         assert pending == {k for _, keys, _ in self.stores for k in keys} | set(promoting)
-        pins = Counter({k: cpu._state[s] for k, s in cpu._slot_of.items() if cpu._state[s] > 0})
+        pins = Counter({k: cpu._state[s] for k, s in cpu._slot_of.items() if 0 < cpu._state[s] < WRITING})
         assert pins == Counter(k for _, keys in self.loads for k in keys) + cascading
         assert cpu._num_pinned == len(pins) and cpu._num_pending == len(pending)
 
     @invariant()
     def readable_keys_hold_their_bytes(self):
         for k, s in self.cpu._slot_of.items():
-            if self.cpu._state[s] >= 0:
+            if self.cpu._state[s] != WRITING:
                 assert np.array_equal(self.pool.chunk(s), pattern(k)), f"slot {s} of {k!r}"
 
     @invariant()

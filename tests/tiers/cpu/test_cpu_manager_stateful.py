@@ -17,6 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvoffload.abstractions import LookupResult, ReqContext
 from kvoffload.keys import make_offload_key
 from kvoffload.tiers.cpu.manager import BlockStateError, CPUOffloadingManager
+from kvoffload.tiers.cpu.slot_state import PENDING
 
 CAPACITY = 5
 KEYS = [make_offload_key(i.to_bytes(4, "big"), i % 2) for i in range(12)]
@@ -184,7 +185,7 @@ class ManagerMachine(RuleBasedStateMachine):
         assert {k for k in KEYS if k in m.policy} == ready and len(m.policy) == len(ready)
         for k, s in self.state.items():
             v = m._state[m._slot_of[k]]
-            assert v == (-1 if s == "pending" else self.pins[k])
+            assert v == (PENDING if s == "pending" else self.pins[k])
         g = m.get_stats().gauges
         assert g["pinned_blocks"] == sum(1 for k in self.state if self.pins[k])
         assert g["used_blocks"] == len(self.state) + self.fenced

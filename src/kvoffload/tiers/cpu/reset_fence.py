@@ -11,8 +11,10 @@ write them. Readable, unpinned slots are free at once.
 
 from __future__ import annotations
 
+from kvoffload.tiers.cpu.slot_state import PENDING
 
-def drop_all_keys(slot_of: dict[bytes, int], state: list[int], free: list[int], fenced: list[int]) -> list[bytes]:
+
+def drop_all_keys(slot_of: dict[bytes, int], state: bytearray, free: list[int], fenced: list[int]) -> list[bytes]:
     """Forget every key: idle slots to `free`, slots with a job in flight to
     `fenced` (their state reset to 0). Returns the keys that were announced
     stored (readable), whose removal the caller announces."""
@@ -24,7 +26,7 @@ def drop_all_keys(slot_of: dict[bytes, int], state: list[int], free: list[int], 
         else:
             fenced.append(s)
             state[s] = 0
-        if v >= 0:  # announced stored: announce its removal
+        if v != PENDING:  # announced stored: announce its removal
             removed.append(k)
     slot_of.clear()
     return removed
