@@ -14,7 +14,7 @@ import numpy as np
 
 PENDING = 255
 MAX_PINS = 254  # pins one byte counts; the rest go to `more`
-VECTOR_MIN = 64  # keys per call from which pins go through numpy (below: a Python loop is faster)
+VECTOR_MIN = 256  # keys per call from which pins go through numpy (below: the loop is as fast or faster; 64: 1.8x slower)
 
 
 def pin_all(st: np.ndarray, mark: np.ndarray, idx: np.ndarray) -> int | None:
