@@ -43,6 +43,22 @@ def test_copy_moves_each_range_and_returns_the_bytes():
     assert copy_cpu._memcopy.copy(0, np.zeros(0, I64), 0, np.zeros(0, I64), np.zeros(0, I64)) == 0
 
 
+@pytest.mark.parametrize("size", [(128 << 10) - 16, 128 << 10, (256 << 10) + 16, (1 << 20) + 40])
+@pytest.mark.parametrize("shift", [0, 16, 3])
+def test_large_ranges_aligned_or_not_copy_exactly(size, shift):
+    # from 128 KiB with 16-byte aligned ends the extension streams (non-temporal stores);
+    # a tail below 64 bytes, a misaligned end (shift 3) or a smaller range take memmove
+    rng = np.random.default_rng(size + shift)
+    src = rng.integers(0, 256, 3 * size + 64, dtype=np.uint8)
+    dst = np.zeros(3 * size + 64, dtype=np.uint8)
+    offs = np.array([shift, 2 * size + shift], I64)
+    n = copy_cpu._memcopy.copy(addr(dst), offs[::-1].copy(), addr(src), offs, np.array([size, size], I64))
+    assert n == 2 * size
+    assert np.array_equal(dst[2 * size + shift:3 * size + shift], src[shift:size + shift])
+    assert np.array_equal(dst[shift:size + shift], src[2 * size + shift:3 * size + shift])
+    assert not dst[:shift].any() and not dst[size + shift:2 * size + shift].any()
+
+
 OK = np.zeros(2, I64)
 
 
@@ -91,7 +107,8 @@ def two_workers(pages: list[int], blocks: int, slots: int, seed: int, monkeypatc
 
 
 @pytest.mark.parametrize("seed", range(4))
-@pytest.mark.parametrize("pages", [[1024], [1024, 512, 2048], [64 * 1024, 4096]], ids=["1k", "3-tensors", "64k+4k"])
+@pytest.mark.parametrize("pages", [[1024], [1024, 512, 2048], [64 * 1024, 4096], [256 * 1024]],
+                         ids=["1k", "3-tensors", "64k+4k", "256k-streamed"])
 def test_native_and_fallback_copy_the_same_bytes(pages, seed, monkeypatch):
     nblocks, nslots = 200, 120
     workers = two_workers(pages, nblocks, nslots, seed, monkeypatch)

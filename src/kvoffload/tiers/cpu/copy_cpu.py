@@ -1,8 +1,9 @@
 """The CPU executor of copy plans: KV tensors in host memory.
 
 One transfer thread copies each job with a small C extension (_memcopy.c,
-built at install by setup.py): a memmove per range, the whole job without
-the GIL (docs/BENCHMARKS.md "Copy bandwidth"). Where no ref is strided, the
+built at install by setup.py): a memmove per range (streaming stores,
+which bypass the cache, for aligned ranges from 128 KiB), the whole job
+without the GIL (docs/BENCHMARKS.md "Copy bandwidth"). Where no ref is strided, the
 extension also computes the job's addresses (copy_blocks: one call per KV
 group, from the planner's pieces, the GPU blocks and the pool slots; after
 a large copy the caches are cold and each numpy call of the planner costs
