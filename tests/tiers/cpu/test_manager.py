@@ -510,3 +510,23 @@ def test_lookup_prefix_refuses_a_bad_key_as_lookup_does(bad):
     with pytest.raises(one.type):
         m.lookup_prefix([good, bad], None)
     assert m.get_stats().counters["lookups"] == 0  # a call that raises counts nothing
+
+
+def test_a_store_landing_after_the_request_finished_keeps_nothing_of_the_request():
+    # vLLM finishes a request in the step it submits its last store; the store completes
+    # later. The LRU must not open a running-request group for it: that group (and the
+    # request's key positions it holds) would live as long as its keys.
+    from kvoffload.policies.lru import _Group
+    m = CPUOffloadingManager(8, "lru")
+    ctx = ReqContext("r")
+    for pos, k in enumerate(keys(1, 2, 3, 4)):
+        ctx.set_offload_key_position(k, (pos + 1) * 16)
+    m.prepare_store(keys(1, 2), ctx)
+    m.complete_store(keys(1, 2), ctx)
+    m.prepare_store(keys(3, 4), ctx)
+    m.on_request_finished(ctx)
+    m.complete_store(keys(3, 4), ctx)
+    groups = [g for g in m.policy._order.values() if isinstance(g, _Group)]
+    assert not any(g.live or g.positions for g in groups)
+    # ranked as loose keys, newer than the batch re-ranked at the finish, each batch tail first
+    assert m.prepare_store(keys(5, 6, 7, 8, 9, 10, 11), None).evicted_keys == keys(2, 1, 4)

@@ -201,6 +201,12 @@ class StorageOffloadingManager(OffloadingManager):
     def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
         return RequestOffloadingContext()
 
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        """The request's stores are all in (the tiering manager says so only
+        then): the policy lets go of what it kept for the request while it ran
+        (an LRU group holds the request's key positions), re-ranking nothing."""
+        self.policy.refresh([], req_context)
+
     def take_events(self) -> Iterable[OffloadingEvent]:
         events, self._events = self._events, []
         return events
