@@ -106,6 +106,25 @@ def two_workers(pages: list[int], blocks: int, slots: int, seed: int, monkeypatc
     return out
 
 
+def run_on_both(workers, jobs) -> None:
+    """Run the same (direction, GPU spec, CPU spec) jobs on the native and the
+    fallback worker: same reported sizes, same bytes in pool and tensors."""
+    reported = []
+    for w, _ in workers:
+        for job_id, (direction, gpu, cpu) in enumerate(jobs):
+            ok = w.submit_store(job_id, gpu, cpu) if direction == "store" else w.submit_load(job_id, cpu, gpu)
+            assert ok, w.last_error
+        w.wait(set(range(len(jobs))))
+        results = w.get_finished()
+        assert all(r.success for r in results)
+        reported.append(sorted((r.job_id, r.transfer_size) for r in results))
+    assert reported[0] == reported[1]
+    (native, native_ts), (fallback, fallback_ts) = workers
+    assert np.array_equal(native.pool.array, fallback.pool.array)
+    for a, b in zip(native_ts, fallback_ts):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("seed", range(4))
 @pytest.mark.parametrize("pages", [[1024], [1024, 512, 2048], [64 * 1024, 4096], [256 * 1024]],
                          ids=["1k", "3-tensors", "64k+4k", "256k-streamed"])
@@ -123,17 +142,7 @@ def test_native_and_fallback_copy_the_same_bytes(pages, seed, monkeypatch):
             else:  # scattered: nothing merges
                 blocks, slots = rng.permutation(nblocks)[:n], rng.permutation(nslots)[:n]
             jobs.append(("store" if j < 6 else "load", blocks, slots))
-        for w, _ in workers:
-            for job_id, (direction, blocks, slots) in enumerate(jobs):
-                gpu, cpu = GPULoadStoreSpec(blocks), CPULoadStoreSpec(slots)
-                ok = w.submit_store(job_id, gpu, cpu) if direction == "store" else w.submit_load(job_id, cpu, gpu)
-                assert ok, w.last_error
-            w.wait(set(range(len(jobs))))
-            assert all(r.success for r in w.get_finished())
-        (native, native_ts), (fallback, fallback_ts) = workers
-        assert np.array_equal(native.pool.array, fallback.pool.array)
-        for a, b in zip(native_ts, fallback_ts):
-            assert torch.equal(a, b)
+        run_on_both(workers, [(d, GPULoadStoreSpec(b), CPULoadStoreSpec(s)) for d, b, s in jobs])
     finally:
         for w, _ in workers:
             w.shutdown()
@@ -166,7 +175,7 @@ def test_two_groups_of_chunks_of_two_blocks_started_mid_chunk_copy_the_same_byte
     assert workers[0][0].copier._rows is not None and workers[1][0].copier._native is None
     try:
         rng = np.random.default_rng(seed)
-        jobs, reported = [], []
+        jobs = []
         for j in range(10):
             sizes = [int(rng.integers(1, 12)), int(rng.integers(0, 12))]
             firsts = [int(rng.integers(0, 4)), int(rng.integers(0, 4))]
@@ -175,19 +184,7 @@ def test_two_groups_of_chunks_of_two_blocks_started_mid_chunk_copy_the_same_byte
             ids[::2] = rng.permutation(64)[: sum(sizes)]
             gpu = GPULoadStoreSpec(ids[::2], group_sizes=sizes, block_indices=firsts)
             jobs.append(("store" if j < 5 else "load", gpu, CPULoadStoreSpec(rng.permutation(60)[:chunks])))
-        for w, _ in workers:
-            for job_id, (direction, gpu, cpu) in enumerate(jobs):
-                ok = w.submit_store(job_id, gpu, cpu) if direction == "store" else w.submit_load(job_id, cpu, gpu)
-                assert ok, w.last_error
-            w.wait(set(range(len(jobs))))
-            results = w.get_finished()
-            assert all(r.success for r in results)
-            reported.append(sorted((r.job_id, r.transfer_size) for r in results))
-        assert reported[0] == reported[1]  # the bytes each job reports
-        (native, native_ts), (fallback, fallback_ts) = workers
-        assert np.array_equal(native.pool.array, fallback.pool.array)
-        for a, b in zip(native_ts, fallback_ts):
-            assert torch.equal(a, b)
+        run_on_both(workers, jobs)
     finally:
         for w, _ in workers:
             w.shutdown()
