@@ -360,9 +360,8 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
         else:
             sel = slice(first_new, None)
         with self._content:
-            self.contents.fill(run.slot_array[sel], run.seeds[sel])
-            if self.gpu.track:
-                self.gpu.register(run.slots[run.n_gpu:], run.hashes[run.n_gpu:])
+            self.contents.fill(run.slots[sel], run.seeds[sel])
+            self.gpu.register(run.slots[run.n_gpu:], run.hashes[run.n_gpu:])
 
     def _sample(self, done: int) -> None:
         self._collect_stats()

@@ -140,7 +140,7 @@ class Scheduling:
                 if self.gpu.track:  # (the hashes serve the GPU prefix cache alone)
                     hashes = hashes + list(dec)
                 seeds = np.concatenate((seeds, dec_seeds))
-            run = Running(req, ctx, keys, hashes, slots, n_gpu, n_off, slots, seeds,
+            run = Running(req, ctx, keys, hashes, slots, n_gpu, n_off, seeds,
                           request_level=seen.request_level, jobs=seen.jobs, seen=seen, first_step=step,
                           resumed=seen.preempted)
             self.running.append(run)
@@ -207,7 +207,7 @@ class Scheduling:
         lo, hi = run.n_gpu, run.n_gpu + run.n_off
         keys = run.keys[lo:hi]
         src = self.mgr.prepare_load(keys, run.ctx)
-        job = Job(run, True, keys, run.slot_array[lo:hi], run.seeds[lo:hi], lo, src)
+        job = Job(run, True, keys, run.slots[lo:hi], run.seeds[lo:hi], lo, src)
         if self.opts.order == "vllm":
             self._to_submit.append(job)
         else:

@@ -42,7 +42,6 @@ class Running:
     slots: np.ndarray  # GPU slots (int64), one per key
     n_gpu: int
     n_off: int
-    slot_array: np.ndarray  # the same array (kept under its old name too)
     seeds: np.ndarray  # per block: the seed of its contents
     # legacy: load -> store -> done; vllm: loading -> loaded -> prefill -> decode -> done
     phase: str = "load"

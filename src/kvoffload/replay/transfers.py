@@ -43,7 +43,7 @@ class Transfers:
         else:
             pos = {k: i for i, k in enumerate(offer, lo)}
             where = np.array([pos[k] for k in store], dtype=np.int64)
-        jobs.append(Job(run, False, store, run.slot_array[where], run.seeds[where], 0, out.store_spec))
+        jobs.append(Job(run, False, store, run.slots[where], run.seeds[where], 0, out.store_spec))
         return True
 
     def _submit(self, job: Job) -> int | None:

@@ -39,7 +39,8 @@ import numpy as np
 import torch
 
 from kvoffload.abstractions import CanonicalKVCaches
-from kvoffload.tiers.cpu.plan import STORE, CopyPlanner, GroupJob, Plan, StridedRef, base_addresses, native_module
+from kvoffload.tiers.cpu.plan import (
+    STORE, CopyPlanner, GroupJob, Plan, StridedRef, _memcopy, base_addresses, native_module)
 from kvoffload.tiers.host_pool import HostPool
 
 logger = logging.getLogger(__name__)
@@ -79,11 +80,6 @@ def _memmove_keeping_gil():
 _MEMMOVE_KEEPING_GIL = _memmove_keeping_gil()
 if _MEMMOVE_KEEPING_GIL is None:
     GIL_EVERY = 0
-
-try:  # built by pip install -e . (setup.py); optional
-    from kvoffload.tiers.cpu import _memcopy
-except ImportError:
-    _memcopy = None
 
 
 def native_copy():
@@ -259,8 +255,8 @@ class CPUCopier:
     def _copy_blocks(self, job: BlockJob) -> None:
         """One copy_blocks call per group: the plan's addresses, unmerged
         (a memmove call costs ~10 ns in C)."""
-        store, pool, slot_bytes, k = job.direction == STORE, self._pool_base, self.planner.slot_bytes, \
-            self.planner.blocks_per_chunk
+        store, pool = job.direction == STORE, self._pool_base
+        slot_bytes, k = self.planner.slot_bytes, self.planner.blocks_per_chunk
         for g, blocks, slots, skip in job.groups:
             _memcopy.copy_blocks(store, self._rows[g], pool, slot_bytes, k[g], skip, blocks, slots)
 

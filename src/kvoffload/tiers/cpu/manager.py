@@ -19,7 +19,6 @@ kvoffload.requests'.
 from __future__ import annotations
 
 import dataclasses
-from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 
 import numpy as np
@@ -213,6 +212,16 @@ class CPUOffloadingManager(OffloadingManager):
             else:
                 state[s] -= 1
 
+    def _repin(self, slots: list[int]) -> None:
+        """Put back one pin of each slot: the undo of _complete_each (a pin
+        at MAX_PINS goes beside, as _pin_each puts it)."""
+        state, more = self._state, self._more_pins
+        for s in slots:
+            if state[s] >= MAX_PINS:
+                more[s] = more.get(s, 0) + 1
+            else:
+                state[s] += 1
+
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         keys = keys if type(keys) is list else list(keys)
         if keys and set(map(type, keys)) != {bytes}:
@@ -242,18 +251,13 @@ class CPUOffloadingManager(OffloadingManager):
     def _complete_each(self, keys: Collection[OffloadKey], slots: list[int]) -> int:
         """complete_load's unpins key by key; how many slots became unpinned."""
         state, more = self._state, self._more_pins
-        spilled: dict[int, int] = {}  # pins dropped from `more`, per slot (for the undo)
         unpinned = 0
         for i, s in enumerate(slots):
             v = state[s]
             if v == 1:
                 unpinned += 1
             elif not v or v == PENDING:  # not pinned, or listed more often than pinned
-                for s2, n in Counter(slots[:i]).items():  # undo: nothing changes on error
-                    back = spilled.get(s2, 0)
-                    state[s2] += n - back
-                    if back:
-                        more[s2] = more.get(s2, 0) + back
+                self._repin(slots[:i])  # undo: nothing changes on error
                 key = next(k for k in keys if self._slot_of[k] == s)
                 raise BlockStateError(
                     f"{self.name}: complete_load of key {key!r} that has no load in flight "
@@ -263,7 +267,6 @@ class CPUOffloadingManager(OffloadingManager):
                 more[s] -= 1
                 if not more[s]:
                     del more[s]
-                spilled[s] = spilled.get(s, 0) + 1
                 continue
             state[s] = v - 1
         return unpinned

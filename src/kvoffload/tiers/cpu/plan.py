@@ -277,16 +277,18 @@ def _outside(ids: np.ndarray, limit: int) -> bool:
     return bool((ids.view(np.uint64) >= limit).any())
 
 
+try:  # the C extension (tiers/cpu/_memcopy.c), built at install by setup.py; optional
+    from kvoffload.tiers.cpu import _memcopy
+except ImportError:
+    _memcopy = None
+
+
 def native_module():
-    """The C extension (tiers/cpu/_memcopy.c, built at install by setup.py),
-    or None: not built, or KVOFFLOAD_NATIVE_COPY=0 (the fallback: tests,
-    benchmarks). Its calls replace numpy ones run per job: Python right
-    after a large copy finds the caches cold, ~10 us per numpy call here."""
-    try:
-        from kvoffload.tiers.cpu import _memcopy
-    except ImportError:
-        return None
-    return None if os.environ.get("KVOFFLOAD_NATIVE_COPY", "1") == "0" else _memcopy
+    """The C extension, or None: not built, or KVOFFLOAD_NATIVE_COPY=0 (the
+    fallback: tests, benchmarks). Its calls replace numpy ones run per job:
+    Python right after a large copy finds the caches cold, ~10 us per numpy
+    call here."""
+    return None if _memcopy is None or os.environ.get("KVOFFLOAD_NATIVE_COPY", "1") == "0" else _memcopy
 
 
 class CopyPlanner:
