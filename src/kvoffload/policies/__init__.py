@@ -50,5 +50,9 @@ from kvoffload.policies.duel import DuelPolicy  # noqa: E402
 
 register_policy("duel", DuelPolicy)
 
-__all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy", "S3FIFOPolicy", "SIEVEPolicy", "PrefixAwarePolicy", "ChainPolicy", "SegChainPolicy", "DuelPolicy",
+from kvoffload.policies.hubchain import HubChainPolicy  # noqa: E402
+
+register_policy("hubchain", HubChainPolicy)
+
+__all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy", "S3FIFOPolicy", "SIEVEPolicy", "PrefixAwarePolicy", "ChainPolicy", "SegChainPolicy", "DuelPolicy", "HubChainPolicy",
            "register_policy", "get_policy_class", "policy_names"]
