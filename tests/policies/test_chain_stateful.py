@@ -1,4 +1,4 @@
-"""Hypothesis state machine: the CPU manager with the `chain` (and `segchain`) policy.
+"""Hypothesis state machine: the CPU manager with the `chain` (and `segchain`, `hubchain`) policy.
 
 `chain` may store only a head of a store's new keys (its admission), so the
 verdicts differ from LRU's; the manager contract must hold all the same:
@@ -171,3 +171,12 @@ class SegChainMachine(ChainMachine):
 
 TestSegChainManager = SegChainMachine.TestCase
 TestSegChainManager.settings = TestChainManager.settings
+
+
+class HubChainMachine(ChainMachine):
+    """`hubchain` (segchain whose hub branches age faster) under the same contract."""
+    policy = "hubchain"
+
+
+TestHubChainManager = HubChainMachine.TestCase
+TestHubChainManager.settings = TestChainManager.settings

@@ -1,4 +1,4 @@
-"""Hypothesis: S3-FIFO, SIEVE, prefix, chain, segchain and duel keep the policy contract under any
+"""Hypothesis: S3-FIFO, SIEVE, prefix, chain, segchain, duel and hubchain keep the policy contract under any
 sequence of calls, alone and inside the CPU manager.
 
 - len / contains match a plain model of the held keys;
@@ -17,7 +17,7 @@ from kvoffload.abstractions import ReqContext
 from kvoffload.policies import get_policy_class
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 
-NEW_POLICIES = ["s3fifo", "sieve", "prefix", "chain", "segchain", "duel"]
+NEW_POLICIES = ["s3fifo", "sieve", "prefix", "chain", "segchain", "duel", "hubchain"]
 KEYS = [i.to_bytes(8, "big") + b"\0\0\0\0" for i in range(16)]
 
 op = st.one_of(

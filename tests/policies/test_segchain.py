@@ -1,6 +1,7 @@
 """The `segchain` policy: chain's rules, but blocks of a new chain are loose
 (unshielded) until their first hit."""
 
+from kvoffload.abstractions import ReqContext
 from kvoffload.policies.segchain import SegChainPolicy
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 
@@ -50,3 +51,18 @@ def test_f_never_rises_above_one():
         pol._evicted[k] = None
         pol._learn(k)  # evictions that cost hits raise f: up to 1 only
     assert pol.f == 1.0
+
+
+def test_a_store_landing_after_the_finish_is_still_loose():
+    """vLLM finishes a request in the step it submits its last store, and
+    the store completes after: a new chain's blocks must still be loose
+    (the manager passes the request; it once passed None, and segchain put
+    every such block in chain's order)."""
+    m = CPUOffloadingManager(8, "segchain")
+    ctx = ReqContext("r")
+    for i, k in enumerate(keys(0, 4)):
+        ctx.set_offload_key_position(k, (i + 1) * 64)
+    out = m.prepare_store(keys(0, 4), ctx)
+    m.on_request_finished(ctx)
+    m.complete_store(out.keys_to_store, ctx)
+    assert all(k in m.policy._loose for k in keys(0, 4))

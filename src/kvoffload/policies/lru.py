@@ -70,6 +70,10 @@ class _Group:
     __hash__ = object.__hash__  # sets of groups: by identity
 
 
+_FINISHED = _Group({})  # every finished request's: no keys, never live
+_FINISHED.live = False
+
+
 class LRUPolicy(EvictionPolicy):
     name = "lru"
 
@@ -78,6 +82,7 @@ class LRUPolicy(EvictionPolicy):
         self._order: OrderedDict[bytes, _Group | None] = OrderedDict()  # oldest first
 
     def _group(self, ctx: ReqContext) -> _Group:
+        """The request's group; _FINISHED (not live) once it has finished."""
         group = ctx.get_owned(self)
         if group is None:
             group = _Group(ctx.offload_key_positions())
@@ -88,7 +93,10 @@ class LRUPolicy(EvictionPolicy):
         group = None
         if ctx is not None and keys and keys[-1] in ctx.offload_key_positions():
             group = self._group(ctx)
-            group.add(keys)
+            if group.live:
+                group.add(keys)
+            else:  # a store landing after the finish (vLLM's order): ranked on its own
+                group = None
         # Reversed: the tail lands older than the head, so it goes first.
         order = self._order
         for k in reversed(keys):
@@ -142,11 +150,15 @@ class LRUPolicy(EvictionPolicy):
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         # The manager re-ranks a finished request's stores: its group dies.
         if ctx is not None:
-            group = ctx.pop_owned(self)
-            if group is not None:
-                group.live = False
-                group.keys = []
-                group.positions = {}  # (the request's dict: not kept alive by its keys' values)
+            group = ctx.get_owned(self)
+            if group is not _FINISHED:
+                # A store may still land (vLLM finishes a request in the step it submits the
+                # last one): the context keeps a shared dead group, so that store opens none.
+                ctx.set_owned(self, _FINISHED)
+                if group is not None:
+                    group.live = False
+                    group.keys = []
+                    group.positions = {}  # (the request's dict: not kept alive by its keys' values)
         if _move_all(self._order, keys):
             return
         move = self._order.move_to_end

@@ -381,14 +381,13 @@ class CPUOffloadingManager(OffloadingManager):
             rank = rank_of(req_context, self)  # key positions, else the prepare order
             ordered = pending if rank is None or len(pending) < 2 else sort_by(pending, rank)
             rec = record_of(req_context, self)
-            # A store landing after on_request_finished (vLLM finishes a request in the step it
-            # submits its last store) goes to the policy as no request's: per-request state made
-            # for it now would never be let go (an LRU group holds the request's key positions).
-            ctx = req_context if rec is not None else None
+            # A store may land after on_request_finished (vLLM finishes a request in the step it
+            # submits its last store): the policy still gets the request, and must not open
+            # per-request state for it that nothing would let go (LRU: policies/lru.py _FINISHED).
             if low_retention(req_context):
-                self.policy.insert_cold(ordered, ctx)
+                self.policy.insert_cold(ordered, req_context)
             else:
-                self.policy.insert(ordered, ctx)
+                self.policy.insert(ordered, req_context)
             if rec is not None:
                 rec.note_stored(ordered, rank)
             self._stored += len(pending)
