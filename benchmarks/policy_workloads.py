@@ -20,6 +20,10 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
   systail         one shared system prompt, a long tail of users with 1-3 turns each
   scan-tune, oneshot-tune   the same kinds, other seeds and sizes (tuning data for segchain)
   convo-tune      Mooncake-like: a shared system block, conversations that mostly end after a turn (tuning, duel)
+  mooncake-first / mooncake-second   the first / second half of the Mooncake trace, each replayed from an
+                  empty cache (hubchain: tuned on the first, judged on the second)
+  chat-judge2, scan-judge2, oneshot-judge2, systail-judge2, convo-judge2   fresh seeds of the built rows
+                  (hubchain's judge run; never looked at before it)
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
@@ -104,8 +108,8 @@ def oneshot(seed: int = 12, sessions: int = 800, per: int = 3) -> list[Req]:
     return out
 
 
-def systail() -> list[Req]:
-    rng, ids = np.random.default_rng(13), _Ids()
+def systail(seed: int = 13) -> list[Req]:
+    rng, ids = np.random.default_rng(seed), _Ids()
     system = ids.take(48)
     return _interleave(rng, _sessions(rng, ids, 4000, sys_blocks=system, turns=(1, 3), grow=(2, 16)))
 
@@ -129,7 +133,8 @@ def convo(seed: int = 31, sessions: int = 3000) -> list[Req]:
 
 WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "agentic-all-s0", "agentic-all-s600",
              "chat-tune", "chat-judge", "mooncake", "scan", "oneshot", "systail",
-             "scan-tune", "oneshot-tune", "convo-tune"]
+             "scan-tune", "oneshot-tune", "convo-tune", "mooncake-first", "mooncake-second",
+             "chat-judge2", "scan-judge2", "oneshot-judge2", "systail-judge2", "convo-judge2"]
 
 
 def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
@@ -144,7 +149,10 @@ def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
 GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail,
              # tuning variants for segchain (other seeds and sizes than the judge rows)
              "scan-tune": lambda: scan(21, 1000, 250), "oneshot-tune": lambda: oneshot(22, 600, 2),
-             "convo-tune": convo}  # Mooncake-like tuning row for duel (the trace itself is judge data)
+             "convo-tune": convo,  # Mooncake-like tuning row for duel (the trace itself is judge data)
+             # hubchain's judge rows: fresh seeds
+             "scan-judge2": lambda: scan(41, 1500, 400), "oneshot-judge2": lambda: oneshot(42, 800, 3),
+             "systail-judge2": lambda: systail(43), "convo-judge2": lambda: convo(44)}
 
 
 def replay_args(name: str, out_dir: Path) -> list[str]:
@@ -160,16 +168,23 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
                 os.symlink(AGENTIC / link.name, link)
         return [str(d), "--stagger", stagger or "60"]
     if name.startswith("chat-"):
-        return ["--sessions", "2000", "--seed", "0" if name == "chat-tune" else "1"]
+        return ["--sessions", "2000", "--seed", {"chat-tune": "0", "chat-judge": "1", "chat-judge2": "2"}[name]]
     if name == "mooncake":
         return [str(TRACES / "mooncake_conversation_trace.jsonl")]
+    if name.startswith("mooncake-"):
+        path = out_dir / f"{name}.jsonl"
+        if not path.exists():
+            lines = (TRACES / "mooncake_conversation_trace.jsonl").read_text().splitlines(keepends=True)
+            half = len(lines) // 2
+            path.write_text("".join(lines[:half] if name == "mooncake-first" else lines[half:]))
+        return [str(path)]
     path = out_dir / f"{name}.jsonl"
     if not path.exists():
         write_jsonl(GENERATED[name](), path)
     return [str(path)]
 
 
-TUNE = ("agentic-tune", "chat-tune", "scan-tune", "oneshot-tune", "convo-tune")
+TUNE = ("agentic-tune", "chat-tune", "scan-tune", "oneshot-tune", "convo-tune", "mooncake-first")
 
 
 def table(out_dir: Path, workloads: list[str], candidate: str = "chain") -> str:

@@ -9,19 +9,26 @@ ARC wins there by evicting blocks used once before blocks used again. On
 others (chats, a system prompt with a tail of users) they are read again
 soon, and LRU wins. So:
 
-- Hub branches are kept in a third order, beside `segchain`'s chain and loose
-  orders (same clock, the request count). For eviction their last use counts
-  `shift` older than it is; the oldest of the three heads goes first. With
-  shift 0 this is `segchain`, which is LRU where no chain rule fires.
-- `shift` adapts like ARC's target, from ghosts (keys recently evicted): a
-  re-stored key that left the hub order means hub branches live too short
-  (shift down), one that left the other orders means they live too long
-  (shift up). One step is the time one stored block stays, so shift moves
-  on the same scale as ARC's p. It stays within [0, the cache's lifetime].
-- A hub branch block's first hit moves it into the chain order, as a loose
-  block's does: it is now a continued conversation.
-- A block is a hub once `HUB` requests have branched from it (their stores
-  began right after it); the count lives while the block is resident.
+- A branch request's blocks (all its stores) are kept in a third order,
+  beside `segchain`'s chain and loose orders (same clock: requests). For
+  eviction their last use counts `shift` older than it is; the oldest of
+  the three heads goes first. With shift 0 this is `segchain`, which is LRU
+  where no chain rule fires. A branch block's first hit, or a re-store of a
+  key evicted recently (ARC's ghost hit), puts it in the chain order.
+- `shift` splits the cache between the two classes (branch blocks B, the
+  rest A) the way that serves most hits, from their reuse distances
+  (miss-ratio-curve partitioning, as in Talus or Cliffhanger): one key in
+  SAMPLE is followed whatever the cache does, and each reuse records the
+  distance since its class's last use (in requests; 4 bins per octave, up
+  to HORIZON). With F_c(L) the share of a class's episodes reused within L
+  and M_c(L) their mean space-time min(d, L), lives L_A and L_B may take
+  rate_A M_A(L_A) + rate_B M_B(L_B) <= capacity blocks; the pair with most
+  hits rate_A F_A(L_A) + rate_B F_B(L_B) sets shift = L_A - L_B. This sees
+  what ghosts cannot: when reuse comes later than the cache's lifetime
+  (Mooncake at 1%: minutes between turns), keeping fewer conversations for
+  longer pays, and only distances beyond the lifetime say so.
+- Hub: a block once `HUB` requests have branched right after it (their
+  stores began there); the count lives while the block is resident.
 
 Everything else (a store never evicts its own request's keys, a cut store
 refuses the rest, the reuse-interval shield, f) is `segchain`'s.
@@ -29,30 +36,123 @@ refuses the rest, the reuse-interval shield, f) is `segchain`'s.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
+from itertools import chain
 
 from kvoffload.abstractions import ReqContext
 from kvoffload.policies.chain import _Req
 from kvoffload.policies.segchain import SegChainPolicy, _SegReq
+
+BINS = 48  # reuse distances in requests, 4 bins per octave: 1 .. 2^12
+HORIZON = 2.0 ** (BINS / 4)  # an episode not reused within this many requests counts as never
+_EDGE = [2.0 ** ((b + 1) / 4) for b in range(BINS)]  # upper distance of each bin
+_MID = [(_EDGE[b - 1] if b else 0.0) / 2 + _EDGE[b] / 2 for b in range(BINS)]
+A, B = 0, 1  # the classes: the rest, hub branches
+
+
+def _bin(d: float) -> int:
+    return min(BINS - 1, int(4 * math.log2(d))) if d > 1.0 else 0
 
 
 class _HubReq(_SegReq):
     __slots__ = ("hub",)
 
 
+class _Loaded:
+    """The keys a running request loaded: held until it finishes."""
+
+    __slots__ = ("keys",)
+
+    def __init__(self):
+        self.keys: set[bytes] = set()
+
+
 class HubChainPolicy(SegChainPolicy):
     name = "hubchain"
     HUB = 8  # branches seen from a block before it counts as a hub
+    SAMPLE = 8  # one key in SAMPLE is followed for reuse distances
+    MIN_EPISODES = 50  # per class, before the split moves from shift 0
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
         self._hubbed: OrderedDict[bytes, int] = OrderedDict()  # hub branches' blocks, never hit; oldest first
         self._branches: dict[bytes, int] = {}  # resident key -> requests that branched right after it
-        self._ghost_hub: OrderedDict[bytes, None] = OrderedDict()  # evicted from the hub order
-        self._ghost_rest: OrderedDict[bytes, None] = OrderedDict()  # evicted from the other two
+        self._recent: OrderedDict[bytes, None] = OrderedDict()  # evicted keys (ARC's ghosts), bounded by capacity
         self.shift = 0.0  # in requests (the clock's unit)
-        self._life = 0.0  # running mean age of victims, in requests: the cache's lifetime
+        # Sampled keys -> (class, clock of the episode's start), oldest start first.
+        self._episodes: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        self._dist = ([0.0] * (BINS + 1), [0.0] * (BINS + 1))  # per class; the last bin: never reused
+        self._started = [0.0, 0.0]  # episodes started per class since _since
+        self._since = 0
+        self._evicted_since = 0
+        self._held: dict[bytes, int] = {}  # key -> running requests that loaded it
+        self._loads = object()  # owner of each context's _Loaded (get_owned(self) holds its _HubReq)
+
+    # ---- reuse distances ---------------------------------------------------
+
+    def _follow(self, keys: list[bytes], cls: int) -> None:
+        """A use of keys (stored, or hit) that start an episode of class cls;
+        a sampled key's previous episode ends in a reuse at its distance."""
+        mask = self.SAMPLE - 1
+        sampled = [k for k in keys if not k[-5] & mask]  # (the hash's last byte; 4 group bytes follow)
+        if not sampled:
+            return
+        episodes, now, dist = self._episodes, self._clock, self._dist
+        pop = episodes.pop
+        for k in sampled:
+            ep = pop(k, None)
+            if ep is not None:
+                dist[ep[0]][_bin(now - ep[1])] += 1.0
+            episodes[k] = (cls, now)
+        self._started[cls] += len(sampled)
+
+    def _split(self) -> None:
+        """shift from the lives that serve most hits within the capacity."""
+        now, episodes = self._clock, self._episodes
+        while episodes:  # episodes past the horizon: never reused
+            k, (cls, start) = next(iter(episodes.items()))
+            if now - start <= HORIZON:
+                break
+            del episodes[k]
+            self._dist[cls][BINS] += 1.0
+        span = max(1, now - self._since)
+        curves = []
+        for cls in (A, B):
+            h = self._dist[cls]
+            n = sum(h)
+            if n < self.MIN_EPISODES:
+                return
+            rate = self._started[cls] * self.SAMPLE / span  # episodes per request
+            hits, space, cum, part = [], [], 0.0, 0.0
+            for b in range(BINS):
+                cum += h[b]
+                part += h[b] * _MID[b]
+                hits.append(rate * cum / n)
+                space.append(rate * (part + _EDGE[b] * (n - cum)) / n)
+            curves.append((hits, space))
+        (hits_a, space_a), (hits_b, space_b) = curves
+        best, best_a, best_b = -1.0, 0, -1
+        jb = BINS - 1
+        for ba in range(BINS):
+            room = self.capacity - space_a[ba]
+            if room < 0:
+                break
+            while jb >= 0 and space_b[jb] > room:
+                jb -= 1  # B's longest life in the room left (room shrinks as ba grows)
+            got = hits_a[ba] + (hits_b[jb] if jb >= 0 else 0.0)
+            if got > best:
+                best, best_a, best_b = got, ba, jb
+        if best >= 0:
+            self.shift = max(0.0, _EDGE[best_a] - (_EDGE[best_b] if best_b >= 0 else 0.0))
+        for h in self._dist:  # forget slowly: follow the workload
+            for b in range(BINS + 1):
+                h[b] *= 0.5
+        self._started = [x * 0.5 for x in self._started]
+        self._since = now - span // 2
+
+    # ---- segchain's hooks ----------------------------------------------------
 
     def _start(self, keys: list[bytes], ctx: ReqContext) -> _Req:
         """segchain's, plus: does the resident prefix end at a hub?"""
@@ -88,8 +188,8 @@ class HubChainPolicy(SegChainPolicy):
         return req
 
     def _pick(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes]:
-        hubbed = self._hubbed
-        if not hubbed:
+        hubbed, held = self._hubbed, self._held
+        if not hubbed and not held:
             return super()._pick(n, can_evict)
         # Three orders: chain's (stops at its first shielded block), loose,
         # and the hub branches', whose last use counts `shift` older.
@@ -99,61 +199,95 @@ class HubChainPolicy(SegChainPolicy):
         m, lo, h = next(main, None), next(loose, None), next(hub, None)
         while len(victims) < n:
             if m is not None and m[1] >= threshold:
-                m = None
-            best = None
-            if m is not None:
-                best, age = 0, m[1]
-            if lo is not None and (best is None or lo[1] < age):
-                best, age = 1, lo[1]
-            if h is not None and (best is None or h[1] - shift < age):
-                best = 2
-            if best is None:
-                break
-            if best == 0:
+                m = None  # the rest of chain's order is shielded
+            if (m is None) + (lo is None) + (h is None) >= 2:
+                break  # one order left (the common case): a plain walk below
+            if m is not None and (lo is None or m[1] <= lo[1]) and (h is None or m[1] <= h[1] - shift):
                 k = m[0]
                 m = next(main, None)
-            elif best == 1:
+            elif lo is not None and (h is None or lo[1] <= h[1] - shift):
                 k = lo[0]
                 lo = next(loose, None)
             else:
                 k = h[0]
                 h = next(hub, None)
-            if k not in own and can_evict(k):
+            if k not in own and k not in held and can_evict(k):
                 victims.append(k)
+        if len(victims) < n:
+            if m is not None:
+                for k, last in chain((m,), main):
+                    if last >= threshold:
+                        break
+                    if k not in own and k not in held and can_evict(k):
+                        victims.append(k)
+                        if len(victims) == n:
+                            break
+            else:
+                rest = lo if lo is not None else h
+                if rest is not None:
+                    for k, _ in chain((rest,), loose if lo is not None else hub):
+                        if k not in own and k not in held and can_evict(k):
+                            victims.append(k)
+                            if len(victims) == n:
+                                break
         return victims
 
     # ---- the EvictionPolicy contract -------------------------------------
 
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         req = ctx.get_owned(self) if ctx is not None else None
-        if req is None or not req.loose and not req.hub:
-            dest = self._order
-        else:
-            dest = self._loose if req.loose else self._hubbed
-        gh, gr = self._ghost_hub, self._ghost_rest
-        if gh or gr:
-            self._adapt(keys, gh, gr)
         now = self._clock
-        for k in reversed(keys):  # the tail lands older than the head
-            dest[k] = now
-
-    def _adapt(self, keys: list[bytes], gh: OrderedDict, gr: OrderedDict) -> None:
-        """ARC's rule on shift: a ghost of the hub order re-stored says hub
-        branches live too short, one of the others says too long."""
-        if gh.keys().isdisjoint(keys) and gr.keys().isdisjoint(keys):
+        if req is not None and req.hub:
+            hubbed, order, recent = self._hubbed, self._order, self._recent
+            again = [] if recent.keys().isdisjoint(keys) else [k for k in keys if k in recent]
+            for k in reversed(keys):  # the tail lands older than the head
+                if again and k in recent:  # evicted lately and back: a second use (ARC's ghost hit)
+                    del recent[k]
+                    order[k] = now
+                else:
+                    hubbed[k] = now
+            if again:
+                self._follow(again, A)
+                keys = [k for k in keys if k not in set(again)]
+            self._follow(keys, B)
             return
-        step = self._life / self.capacity  # one block's stay, in requests
-        shift = self.shift
-        for k in keys:
-            if k in gh:
-                del gh[k]
-                shift -= step * max(1.0, len(gr) / max(1, len(gh)))
-            elif k in gr:
-                del gr[k]
-                shift += step * max(1.0, len(gh) / max(1, len(gr)))
-        self.shift = min(max(shift, 0.0), self._life)
+        dest = self._loose if req is not None and req.loose else self._order
+        for k in reversed(keys):
+            dest[k] = now
+        self._follow(keys, A)
+
+    def access(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        """A running request loaded these (its head): no other request's
+        store evicts them until it finishes (its later stores are its tail:
+        a head lost under them makes the whole request unreachable)."""
+        if ctx is None:
+            return
+        loaded = ctx.get_owned(self._loads)
+        if loaded is None:
+            loaded = _Loaded()
+            ctx.set_owned(self._loads, loaded)
+        held, mine = self._held, loaded.keys
+        new = mine.isdisjoint(keys) and keys or [k for k in keys if k not in mine]
+        mine.update(new)
+        get = held.get
+        for k in new:
+            held[k] = get(k, 0) + 1
+
+    def _let_go(self, ctx: ReqContext | None) -> None:
+        loaded = ctx.get_owned(self._loads) if ctx is not None else None
+        if loaded is None or not loaded.keys:
+            return
+        held = self._held
+        for k in loaded.keys:
+            n = held.get(k, 0) - 1
+            if n > 0:
+                held[k] = n
+            else:
+                held.pop(k, None)
+        loaded.keys = set()
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        self._let_go(ctx)
         hubbed = self._hubbed
         if hubbed:
             order, now = self._order, self._clock
@@ -162,8 +296,10 @@ class HubChainPolicy(SegChainPolicy):
                     del hubbed[k]
                     order[k] = now
         super().touch(keys, ctx)
+        self._follow(keys, A)
 
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        self._let_go(ctx)  # the request finished
         super().refresh(keys, ctx)
         hubbed, now = self._hubbed, self._clock
         move = hubbed.move_to_end
@@ -174,6 +310,7 @@ class HubChainPolicy(SegChainPolicy):
 
     def remove(self, key: bytes) -> None:
         super().remove(key)
+        self._held.pop(key, None)
         self._hubbed.pop(key, None)
         self._branches.pop(key, None)
 
@@ -187,27 +324,21 @@ class HubChainPolicy(SegChainPolicy):
         if len(victims) < n:
             return None  # nothing changed
         self._threshold, self._own = float("inf"), None  # set by admit for one store only
-        ghost, gh, gr, branches = self._evicted, self._ghost_hub, self._ghost_rest, self._branches
-        now, age = self._clock, 0
+        ghost, recent, branches = self._evicted, self._recent, self._branches
         for k in victims:
-            last = order.pop(k, None)
-            if last is None:
-                last = loose.pop(k, None)
-                if last is None:
-                    last = hubbed.pop(k)
-                    gh[k] = None
-                else:
-                    gr[k] = None
-            else:
-                gr[k] = None
+            if order.pop(k, None) is None and loose.pop(k, None) is None:
+                del hubbed[k]
             ghost[k] = None
+            recent[k] = None
             branches.pop(k, None)
-            age += now - last if last >= 0 else 0
-        self._life += (age / n - self._life) * min(1.0, n / self.capacity)
         c = self.capacity
-        for g in (ghost, gh, gr):
+        for g in (ghost, recent):
             while len(g) > c:
                 g.popitem(last=False)
+        self._evicted_since += n
+        if self._evicted_since >= max(1, c // 4):
+            self._evicted_since = 0
+            self._split()
         return victims
 
     def __len__(self) -> int:
