@@ -53,41 +53,96 @@ def test_with_no_shift_the_older_goes_first_and_with_a_shift_the_hub_branch():
     assert sorted(out.evicted_keys) == sorted(branch)  # counted older by the shift
 
 
-def test_shift_moves_with_ghost_hits_and_stays_within_the_caches_lifetime():
-    pol = HubChainPolicy(8)
-    pol._life, pol.shift = 8.0, 3.0  # one step = 8 / 8 = 1 request
-    hub_ghost, rest_ghost = b"h" * 12, b"r" * 12
-    pol._ghost_hub[hub_ghost] = None
-    pol.insert([hub_ghost], None)  # a hub branch evicted too soon
-    assert pol.shift == 2.0
-    pol._ghost_rest[rest_ghost] = None
-    pol.insert([rest_ghost], None)  # something else evicted too soon
-    assert pol.shift == 3.0
-    for i in range(20):
-        k = bytes([i]) * 12
-        pol._ghost_rest[k] = None
-        pol.insert([k], None)
-    assert pol.shift == 8.0  # capped at the lifetime
-    assert not pol._ghost_hub and not pol._ghost_rest
+def _feed(pol: HubChainPolicy, cls: int, distances: list[int], n: int) -> None:
+    """n sampled episodes of class cls, reused at the given distances in turn
+    (0: never), as _follow records them."""
+    from kvoffload.policies.hubchain import BINS, _bin
+    for i in range(n):
+        d = distances[i % len(distances)]
+        pol._dist[cls][_bin(d) if d else BINS] += 1.0
+    pol._started[cls] += n
 
 
-def test_one_shot_prompts_after_a_preamble_lose_to_returning_conversations():
-    """Many one-shot prompts branch off a shared preamble and are never read
-    again; conversations (no shared prefix) come back. LRU order lets the
-    one-shots push the conversations out; hubchain learns (from the
-    conversations' ghosts) to let the one-shots go first."""
-    hits = {}
-    for policy in ("segchain", "hubchain"):
-        m = CPUOffloadingManager(48, policy)
-        pre = keys(0, 2)
-        n = 0
-        for r in range(60):
-            for c in range(4):  # 4 conversations, a turn each round, growing
-                n += turn(m, keys(1000 + c, 4 + r % 6))
-            for s in range(3):  # 3 one-shot prompts of 4 new blocks each
-                turn(m, pre + keys(10 * r + s + 1, 4))
-        hits[policy] = n
-    assert hits["hubchain"] > hits["segchain"], hits
+def test_the_split_keeps_the_class_whose_reuse_a_longer_life_catches():
+    """Conversations (the rest) come back after 200 requests, one-shot hub
+    branches never. 3.2 episodes per request each: equal lives that fit (L
+    <= 156) catch no reuse, so the split gives the rest 200 and the branches
+    what is left (< 112): shift > 88. With both reused alike, or with room
+    for everything, it favours neither (shift 0)."""
+    from kvoffload.policies.hubchain import A, B
+    pol = HubChainPolicy(1000)
+    pol._clock = 1000
+    _feed(pol, A, [200], 400)
+    _feed(pol, B, [0], 400)
+    pol._split()
+    assert pol.shift > 88
+    pol = HubChainPolicy(4096)  # room for the rest's 640 and the branches' 200 lives
+    pol._clock = 1000
+    _feed(pol, A, [200], 400)
+    _feed(pol, B, [0], 400)
+    pol._split()
+    assert pol.shift == 0.0
+    pol = HubChainPolicy(4096)
+    pol._clock = 1000
+    _feed(pol, A, [20, 40], 400)
+    _feed(pol, B, [20, 40], 400)
+    pol._split()
+    assert pol.shift == 0.0
+    pol = HubChainPolicy(4096)
+    pol._clock = 1000
+    _feed(pol, A, [200], 10)  # too few episodes to judge: no change
+    _feed(pol, B, [0], 10)
+    pol._split()
+    assert pol.shift == 0.0
+
+
+def test_reuse_distances_are_followed_on_a_sample_whatever_the_cache_keeps():
+    from kvoffload.policies.hubchain import A, B, _bin
+    pol = HubChainPolicy(4)
+    sampled = [bytes([0] * 7 + [8 * i]) + b"\0" * 4 for i in range(1, 4)]  # hash byte % 8 == 0
+    other = bytes([0] * 7 + [3]) + b"\0" * 4
+    pol._clock = 10
+    pol._follow(sampled + [other], B)
+    assert set(pol._episodes) == set(sampled) and pol._started[B] == 3
+    pol._clock = 42
+    pol._follow(sampled[:1], A)  # reused 32 requests later: a B episode ends, an A one starts
+    assert pol._dist[B][_bin(32)] == 1.0
+    assert pol._episodes[sampled[0]] == (A, 42)
+
+
+def test_a_running_requests_loaded_head_is_held_until_it_finishes():
+    """Another request's store may not evict the head a running request
+    loaded (its tail, stored next, would be unreachable without it)."""
+    m = CPUOffloadingManager(8, "hubchain")
+    head = keys(0, 4)
+    turn(m, head)
+    ctx = ReqContext("running")
+    for i, k in enumerate(head + keys(0, 6)[4:]):
+        ctx.set_offload_key_position(k, (i + 1) * 64)
+    m.on_new_request(ctx)
+    m.prepare_load(head, ctx)
+    m.complete_load(head, ctx)
+    turn(m, keys(1, 4))  # fills the cache
+    turn(m, keys(2, 4))  # must evict: keys(1, ...) go, the held head stays
+    assert all(k in m for k in head)
+    assert not any(k in m for k in keys(1, 4))
+    m.on_request_finished(ctx)
+    assert not m.policy._held
+    turn(m, keys(3, 4))  # the finish committed the head's use: the older keys(2, ...) go
+    assert all(k in m for k in head) and not any(k in m for k in keys(2, 4))
+
+
+def test_a_key_evicted_lately_and_stored_again_by_a_branch_joins_the_chain_order():
+    m = CPUOffloadingManager(2 + (HUB - 1) + 4, "hubchain")
+    system = keys(0, 2)
+    turn(m, system)
+    for i in range(1, HUB):
+        turn(m, system + keys(i, 1))
+    pol = m.policy
+    back = keys(HUB, 2)
+    pol._recent[back[0]] = None  # as if evicted a moment ago
+    turn(m, system + back)  # a branch off the hub
+    assert back[0] in pol._order and back[1] in pol._hubbed
 
 
 def test_a_store_landing_after_the_finish_keeps_its_request_class():

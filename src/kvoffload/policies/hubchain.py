@@ -46,7 +46,7 @@ from kvoffload.policies.chain import _Req
 from kvoffload.policies.segchain import SegChainPolicy, _SegReq
 
 BINS = 48  # reuse distances in requests, 4 bins per octave: 1 .. 2^12
-HORIZON = 2.0 ** (BINS / 4)  # an episode not reused within this many requests counts as never
+HORIZON = 2.0 ** (BINS / 4)  # an episode not reused within this many requests counts as never (at most)
 _EDGE = [2.0 ** ((b + 1) / 4) for b in range(BINS)]  # upper distance of each bin
 _MID = [(_EDGE[b - 1] if b else 0.0) / 2 + _EDGE[b] / 2 for b in range(BINS)]
 A, B = 0, 1  # the classes: the rest, hub branches
@@ -111,20 +111,24 @@ class HubChainPolicy(SegChainPolicy):
     def _split(self) -> None:
         """shift from the lives that serve most hits within the capacity."""
         now, episodes = self._clock, self._episodes
-        while episodes:  # episodes past the horizon: never reused
+        span = max(1, now - self._since)
+        rates = [x * self.SAMPLE / span for x in self._started]  # episodes per request
+        # An episode older than the longest life a class could have (the whole
+        # cache to itself) will not be served by any split: count it as never.
+        horizon = min(HORIZON, self.capacity / max(min(rates), 1e-9))
+        while episodes:
             k, (cls, start) = next(iter(episodes.items()))
-            if now - start <= HORIZON:
+            if now - start <= horizon:
                 break
             del episodes[k]
             self._dist[cls][BINS] += 1.0
-        span = max(1, now - self._since)
         curves = []
         for cls in (A, B):
             h = self._dist[cls]
             n = sum(h)
             if n < self.MIN_EPISODES:
                 return
-            rate = self._started[cls] * self.SAMPLE / span  # episodes per request
+            rate = rates[cls]
             hits, space, cum, part = [], [], 0.0, 0.0
             for b in range(BINS):
                 cum += h[b]
