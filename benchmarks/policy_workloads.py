@@ -210,6 +210,38 @@ def table(out_dir: Path, workloads: list[str], candidate: str = "chain") -> str:
     return "\n".join(lines)
 
 
+def plot(out_dir: Path, workloads: list[str], candidate: str, path: Path) -> None:
+    """A bar per workload and capacity: the candidate's prefix hit rate less
+    the best of LRU and ARC, with the +-0.002 band of the rule."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels, diffs = [], []
+    for w in workloads:
+        runs = {}
+        for p in ("lru", "arc", candidate):
+            f = out_dir / f"{w}__{p}.json"
+            if f.exists():
+                runs[p] = [r["summary"] for r in json.loads(f.read_text())]
+        if len(runs) < 3:
+            continue
+        for i, lru in enumerate(runs["lru"]):
+            rate = {p: runs[p][i]["offload_prefix_hit_rate"] for p in runs}
+            diffs.append(rate[candidate] - max(rate["lru"], rate["arc"]))
+            labels.append(f"{w} ({lru['tiers']['cpu']['capacity_blocks']:,})")
+    fig, ax = plt.subplots(figsize=(8, 0.28 * len(labels) + 1.2))
+    ax.barh(range(len(labels)), diffs, color=["tab:green" if d >= -0.002 else "tab:red" for d in diffs])
+    ax.axvspan(-0.002, 0.002, color="0.85", zorder=0)
+    ax.set_yticks(range(len(labels)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xscale("symlog", linthresh=0.01)
+    ax.set_xlabel(f"{candidate} prefix hit rate - best(LRU, ARC)  (grey: within 0.002)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
@@ -217,9 +249,12 @@ def main(argv=None) -> None:
     ap.add_argument("--policies", nargs="+", default=["lru", "arc", "chain"])
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "policy_workloads")
     ap.add_argument("--table", action="store_true", help="only print the Markdown table of the runs in --out")
+    ap.add_argument("--plot", type=Path, help="with --table: also draw the last policy against best(LRU, ARC) (PNG)")
     args = ap.parse_args(argv)
     if args.table:
         print(table(args.out, args.workloads, args.policies[-1]))
+        if args.plot:
+            plot(args.out, args.workloads, args.policies[-1], args.plot)
         return
     args.out.mkdir(parents=True, exist_ok=True)
     for w in args.workloads:

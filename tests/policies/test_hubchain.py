@@ -163,3 +163,25 @@ def test_a_store_landing_after_the_finish_keeps_its_request_class():
     m.on_request_finished(ctx)
     m.complete_store(out.keys_to_store, ctx)
     assert all(k in m.policy._hubbed for k in keys(HUB, 2))
+
+
+def test_one_shot_prompts_after_a_preamble_give_way_to_returning_conversations():
+    """Six one-shot prompts per round branch off a shared preamble and are
+    never read again; eight conversations come back every other round. In
+    LRU order the one-shots push every conversation out before it returns;
+    hubchain's split learns that only the conversations are reused and lets
+    the one-shots go first."""
+    hits = {}
+    for policy in ("segchain", "hubchain"):
+        m = CPUOffloadingManager(64, policy)
+        pre, n, one = keys(0, 2), 0, 1
+        for r in range(200):
+            for c in range(8):
+                if (r + c) % 2 == 0:
+                    n += turn(m, keys(1000 + c, 6))
+            for _ in range(6):
+                turn(m, pre + keys(one, 4))
+                one += 1
+        hits[policy] = n
+    assert m.policy.shift > 0
+    assert hits["hubchain"] > 10 * hits["segchain"], hits
