@@ -40,6 +40,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable
 from itertools import chain
+from operator import itemgetter
 
 from kvoffload.abstractions import ReqContext
 from kvoffload.policies.chain import _Req
@@ -50,6 +51,7 @@ HORIZON = 2.0 ** (BINS / 4)  # an episode not reused within this many requests c
 _EDGE = [2.0 ** ((b + 1) / 4) for b in range(BINS)]  # upper distance of each bin
 _MID = [(_EDGE[b - 1] if b else 0.0) / 2 + _EDGE[b] / 2 for b in range(BINS)]
 A, B = 0, 1  # the classes: the rest, hub branches
+_HASH_BYTE = itemgetter(-5)  # a key's last hash byte (4 group bytes follow)
 
 
 def _bin(d: float) -> int:
@@ -88,17 +90,25 @@ class HubChainPolicy(SegChainPolicy):
         self._since = 0
         self._evicted_since = 0
         self._held: dict[bytes, int] = {}  # key -> running requests that loaded it
+        self._picked: tuple | None = None  # (can_evict, victims) admit found, for the evict that follows
         self._loads = object()  # owner of each context's _Loaded (get_owned(self) holds its _HubReq)
+        self._sample_table = bytes(int(b % self.SAMPLE == 0) for b in range(256))
 
     # ---- reuse distances ---------------------------------------------------
 
     def _follow(self, keys: list[bytes], cls: int) -> None:
         """A use of keys (stored, or hit) that start an episode of class cls;
         a sampled key's previous episode ends in a reuse at its distance."""
-        mask = self.SAMPLE - 1
-        sampled = [k for k in keys if not k[-5] & mask]  # (the hash's last byte; 4 group bytes follow)
-        if not sampled:
+        # The sample: keys whose hash's last byte (4 group bytes follow) is a
+        # multiple of SAMPLE; found with C-level calls, a Python step per hit only.
+        flags = bytes(map(_HASH_BYTE, keys)).translate(self._sample_table)
+        i = flags.find(1)
+        if i < 0:
             return
+        sampled = []
+        while i >= 0:
+            sampled.append(keys[i])
+            i = flags.find(1, i + 1)
         episodes, now, dist = self._episodes, self._clock, self._dist
         pop = episodes.pop
         for k in sampled:
@@ -236,9 +246,17 @@ class HubChainPolicy(SegChainPolicy):
                                 break
         return victims
 
+    def _count_victims(self, need: int, can_evict: Callable[[bytes], bool]) -> int:
+        # The manager's evict follows at once, for at most this many: it takes
+        # a head of these (a walk for fewer victims stops earlier on the same path).
+        victims = self._pick(need, can_evict)
+        self._picked = (can_evict, victims)
+        return len(victims)
+
     # ---- the EvictionPolicy contract -------------------------------------
 
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        self._picked = None
         req = ctx.get_owned(self) if ctx is not None else None
         now = self._clock
         if req is not None and req.hub:
@@ -252,7 +270,8 @@ class HubChainPolicy(SegChainPolicy):
                     hubbed[k] = now
             if again:
                 self._follow(again, A)
-                keys = [k for k in keys if k not in set(again)]
+                promoted = set(again)
+                keys = [k for k in keys if k not in promoted]
             self._follow(keys, B)
             return
         dest = self._loose if req is not None and req.loose else self._order
@@ -260,10 +279,15 @@ class HubChainPolicy(SegChainPolicy):
             dest[k] = now
         self._follow(keys, A)
 
+    def insert_cold(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        self._picked = None
+        super().insert_cold(keys, ctx)
+
     def access(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         """A running request loaded these (its head): no other request's
         store evicts them until it finishes (its later stores are its tail:
         a head lost under them makes the whole request unreachable)."""
+        self._picked = None
         if ctx is None:
             return
         loaded = ctx.get_owned(self._loads)
@@ -291,9 +315,10 @@ class HubChainPolicy(SegChainPolicy):
         loaded.keys = set()
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        self._picked = None
         self._let_go(ctx)
         hubbed = self._hubbed
-        if hubbed:
+        if hubbed and not hubbed.keys().isdisjoint(keys):
             order, now = self._order, self._clock
             for k in keys:
                 if k in hubbed:  # its first hit: a continued branch, chain's from now on
@@ -303,9 +328,12 @@ class HubChainPolicy(SegChainPolicy):
         self._follow(keys, A)
 
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        self._picked = None
         self._let_go(ctx)  # the request finished
         super().refresh(keys, ctx)
         hubbed, now = self._hubbed, self._clock
+        if not hubbed or hubbed.keys().isdisjoint(keys):
+            return
         move = hubbed.move_to_end
         for k in reversed(keys):
             if k in hubbed:
@@ -313,6 +341,7 @@ class HubChainPolicy(SegChainPolicy):
                 move(k)
 
     def remove(self, key: bytes) -> None:
+        self._picked = None
         super().remove(key)
         self._held.pop(key, None)
         self._hubbed.pop(key, None)
@@ -323,8 +352,13 @@ class HubChainPolicy(SegChainPolicy):
             return []
         order, loose, hubbed = self._order, self._loose, self._hubbed
         if n > len(order) + len(loose) + len(hubbed):
+            self._picked = None
             return None
-        victims = self._pick(n, can_evict)
+        picked, self._picked = self._picked, None
+        if picked is not None and picked[0] is can_evict and len(picked[1]) >= n:
+            victims = picked[1][:n]
+        else:
+            victims = self._pick(n, can_evict)
         if len(victims) < n:
             return None  # nothing changed
         self._threshold, self._own = float("inf"), None  # set by admit for one store only
