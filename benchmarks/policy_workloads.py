@@ -187,11 +187,9 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
 TUNE = ("agentic-tune", "chat-tune", "scan-tune", "oneshot-tune", "convo-tune", "mooncake-first")
 
 
-def table(out_dir: Path, workloads: list[str], candidate: str = "chain") -> str:
-    """Markdown: per workload and capacity, LRU, ARC, the candidate, the offline
-    LRU and Belady, and the candidate's distance from the best of LRU and ARC."""
-    lines = [f"| workload | split | blocks | LRU | ARC | {candidate} | offline LRU | Belady | "
-             f"{candidate} - best(LRU, ARC) | within 0.002 |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+def _rows(out_dir: Path, workloads: list[str], candidate: str):
+    """(workload, capacity in blocks, prefix hit rate per policy, the run with
+    the oracles) per workload and capacity that lru, arc and the candidate all ran."""
     for w in workloads:
         runs = {}
         for p in ("lru", "arc", candidate):
@@ -202,11 +200,20 @@ def table(out_dir: Path, workloads: list[str], candidate: str = "chain") -> str:
             continue
         for i, lru in enumerate(runs["lru"]):
             rate = {p: runs[p][i]["offload_prefix_hit_rate"] for p in runs}
-            oracle = next(r[i] for r in runs.values() if "oracle:belady" in r[i])
-            diff = rate[candidate] - max(rate["lru"], rate["arc"])
-            lines.append(f"| {w} | {'TUNE' if w in TUNE else 'JUDGE'} | {lru['tiers']['cpu']['capacity_blocks']:,} | "
-                         f"{rate['lru']:.4f} | {rate['arc']:.4f} | {rate[candidate]:.4f} | {oracle['oracle:lru']:.4f} | "
-                         f"{oracle['oracle:belady']:.4f} | {diff:+.4f} | {'yes' if diff >= -0.002 else '**no**'} |")
+            oracle = next((r[i] for r in runs.values() if "oracle:belady" in r[i]), None)
+            yield w, lru["tiers"]["cpu"]["capacity_blocks"], rate, oracle
+
+
+def table(out_dir: Path, workloads: list[str], candidate: str = "chain") -> str:
+    """Markdown: per workload and capacity, LRU, ARC, the candidate, the offline
+    LRU and Belady, and the candidate's distance from the best of LRU and ARC."""
+    lines = [f"| workload | split | blocks | LRU | ARC | {candidate} | offline LRU | Belady | "
+             f"{candidate} - best(LRU, ARC) | within 0.002 |", "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for w, blocks, rate, oracle in _rows(out_dir, workloads, candidate):
+        diff = rate[candidate] - max(rate["lru"], rate["arc"])
+        lines.append(f"| {w} | {'TUNE' if w in TUNE else 'JUDGE'} | {blocks:,} | "
+                     f"{rate['lru']:.4f} | {rate['arc']:.4f} | {rate[candidate]:.4f} | {oracle['oracle:lru']:.4f} | "
+                     f"{oracle['oracle:belady']:.4f} | {diff:+.4f} | {'yes' if diff >= -0.002 else '**no**'} |")
     return "\n".join(lines)
 
 
@@ -218,18 +225,9 @@ def plot(out_dir: Path, workloads: list[str], candidate: str, path: Path) -> Non
     import matplotlib.pyplot as plt
 
     labels, diffs = [], []
-    for w in workloads:
-        runs = {}
-        for p in ("lru", "arc", candidate):
-            f = out_dir / f"{w}__{p}.json"
-            if f.exists():
-                runs[p] = [r["summary"] for r in json.loads(f.read_text())]
-        if len(runs) < 3:
-            continue
-        for i, lru in enumerate(runs["lru"]):
-            rate = {p: runs[p][i]["offload_prefix_hit_rate"] for p in runs}
-            diffs.append(rate[candidate] - max(rate["lru"], rate["arc"]))
-            labels.append(f"{w} ({lru['tiers']['cpu']['capacity_blocks']:,})")
+    for w, blocks, rate, _ in _rows(out_dir, workloads, candidate):
+        diffs.append(rate[candidate] - max(rate["lru"], rate["arc"]))
+        labels.append(f"{w} ({blocks:,})")
     fig, ax = plt.subplots(figsize=(8, 0.28 * len(labels) + 1.2))
     ax.barh(range(len(labels)), diffs, color=["tab:green" if d >= -0.002 else "tab:red" for d in diffs])
     ax.axvspan(-0.002, 0.002, color="0.85", zorder=0)

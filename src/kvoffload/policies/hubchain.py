@@ -43,7 +43,6 @@ from itertools import chain
 from operator import itemgetter
 
 from kvoffload.abstractions import ReqContext
-from kvoffload.policies.chain import _Req
 from kvoffload.policies.segchain import SegChainPolicy, _SegReq
 
 BINS = 48  # reuse distances in requests, 4 bins per octave: 1 .. 2^12
@@ -168,38 +167,20 @@ class HubChainPolicy(SegChainPolicy):
 
     # ---- segchain's hooks ----------------------------------------------------
 
-    def _start(self, keys: list[bytes], ctx: ReqContext) -> _Req:
-        """segchain's, plus: does the resident prefix end at a hub?"""
-        self._clock += 1
-        now = self._clock
-        positions = ctx.offload_key_positions()
-        first = positions.get(keys[0])
-        prev = parent = None
-        if first is not None:
-            order, loose, hubbed = self._order, self._loose, self._hubbed
-            best = -1
-            for k, p in positions.items():  # the deepest resident block before the store
-                if best < p < first:
-                    last = order.get(k)
-                    if last is None:
-                        last = loose.get(k)
-                        if last is None:
-                            last = hubbed.get(k)
-                    if last is not None and last >= 0:
-                        best, prev, parent = p, last, k
-        if prev is not None:
-            gap = now - prev
-            self._gap = float(gap)
-        else:
-            gap = self._gap
-        req = _HubReq(now - self.f * gap)
-        req.loose = prev is None
+    def _orders(self) -> tuple[OrderedDict, ...]:
+        return self._order, self._loose, self._hubbed
+
+    def _new_req(self, threshold: float) -> _HubReq:
+        req = _HubReq(threshold)
         req.hub = False
+        return req
+
+    def _branched(self, req: _HubReq, parent: bytes | None) -> None:
+        """Count the branch; a request branching off a hub stores hub branch blocks."""
         if parent is not None:
             n = self._branches.get(parent, 0) + 1
             self._branches[parent] = n
             req.hub = n >= self.HUB
-        return req
 
     def _pick(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes]:
         hubbed, held = self._hubbed, self._held
@@ -347,21 +328,16 @@ class HubChainPolicy(SegChainPolicy):
         self._hubbed.pop(key, None)
         self._branches.pop(key, None)
 
-    def evict(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes] | None:
-        if n <= 0:
-            return []
-        order, loose, hubbed = self._order, self._loose, self._hubbed
-        if n > len(order) + len(loose) + len(hubbed):
-            self._picked = None
-            return None
+    def _victims(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes] | None:
         picked, self._picked = self._picked, None
+        if n > len(self):
+            return None
         if picked is not None and picked[0] is can_evict and len(picked[1]) >= n:
-            victims = picked[1][:n]
-        else:
-            victims = self._pick(n, can_evict)
-        if len(victims) < n:
-            return None  # nothing changed
-        self._threshold, self._own = float("inf"), None  # set by admit for one store only
+            return picked[1][:n]
+        return self._pick(n, can_evict)
+
+    def _drop(self, victims: list[bytes]) -> None:
+        order, loose, hubbed = self._order, self._loose, self._hubbed
         ghost, recent, branches = self._evicted, self._recent, self._branches
         for k in victims:
             if order.pop(k, None) is None and loose.pop(k, None) is None:
@@ -369,15 +345,12 @@ class HubChainPolicy(SegChainPolicy):
             ghost[k] = None
             recent[k] = None
             branches.pop(k, None)
-        c = self.capacity
-        for g in (ghost, recent):
-            while len(g) > c:
-                g.popitem(last=False)
-        self._evicted_since += n
-        if self._evicted_since >= max(1, c // 4):
+        while len(recent) > self.capacity:
+            recent.popitem(last=False)
+        self._evicted_since += len(victims)
+        if self._evicted_since >= max(1, self.capacity // 4):
             self._evicted_since = 0
             self._split()
-        return victims
 
     def __len__(self) -> int:
         return len(self._order) + len(self._loose) + len(self._hubbed)

@@ -38,31 +38,48 @@ class SegChainPolicy(ChainPolicy):
         self._loose: OrderedDict[bytes, int] = OrderedDict()  # new chains' blocks, never hit; oldest first
 
     def _start(self, keys: list[bytes], ctx: ReqContext) -> _Req:
-        """As chain's, the last use of a resident block looked up in both
-        orders; a request without a resident prefix stores loose blocks."""
+        """As chain's, the last use of a resident block looked up in every
+        order; a request without a resident prefix stores loose blocks."""
         self._clock += 1
         now = self._clock
-        positions = ctx.offload_key_positions()
-        first = positions.get(keys[0])
-        prev = None
-        if first is not None:
-            order, loose = self._order, self._loose
-            best = -1
-            for k, p in positions.items():  # the deepest resident block before the store
-                if best < p < first:
-                    last = order.get(k)
-                    if last is None:
-                        last = loose.get(k)
-                    if last is not None and last >= 0:
-                        best, prev = p, last
+        prev, parent = self._prefix_end(keys, ctx)
         if prev is not None:
             gap = now - prev
             self._gap = float(gap)
         else:
             gap = self._gap
-        req = _SegReq(now - self.f * gap)
+        req = self._new_req(now - self.f * gap)
         req.loose = prev is None
+        self._branched(req, parent)
         return req
+
+    def _prefix_end(self, keys: list[bytes], ctx: ReqContext) -> tuple[int | None, bytes | None]:
+        """(last use, key) of the deepest resident block before the store."""
+        positions = ctx.offload_key_positions()
+        first = positions.get(keys[0])
+        prev = parent = None
+        if first is not None:
+            orders = self._orders()
+            best = -1
+            for k, p in positions.items():
+                if best < p < first:
+                    for order in orders:
+                        last = order.get(k)
+                        if last is not None:
+                            if last >= 0:
+                                best, prev, parent = p, last, k
+                            break
+        return prev, parent
+
+    def _orders(self) -> tuple[OrderedDict, ...]:
+        """The orders a resident key is in (key -> last use)."""
+        return self._order, self._loose
+
+    def _new_req(self, threshold: float) -> _SegReq:
+        return _SegReq(threshold)
+
+    def _branched(self, req: _SegReq, parent: bytes | None) -> None:
+        """The request's store begins right after `parent` (None: no resident prefix)."""
 
     def _pick(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes]:
         """Up to n victims: the older head of the two orders first; chain's
@@ -153,20 +170,26 @@ class SegChainPolicy(ChainPolicy):
     def evict(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes] | None:
         if n <= 0:
             return []
-        if n > len(self._order) + len(self._loose):
-            return None
-        victims = self._pick(n, can_evict)
-        if len(victims) < n:
+        victims = self._victims(n, can_evict)
+        if victims is None or len(victims) < n:
             return None  # nothing changed
         self._threshold, self._own = float("inf"), None  # set by admit for one store only
+        self._drop(victims)
+        ghost = self._evicted
+        while len(ghost) > self.capacity:
+            ghost.popitem(last=False)
+        return victims
+
+    def _victims(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes] | None:
+        return self._pick(n, can_evict) if n <= len(self) else None
+
+    def _drop(self, victims: list[bytes]) -> None:
+        """Stop tracking the victims; each becomes a ghost."""
         order, loose, ghost = self._order, self._loose, self._evicted
         for k in victims:
             if order.pop(k, None) is None:
                 del loose[k]
             ghost[k] = None
-        while len(ghost) > self.capacity:
-            ghost.popitem(last=False)
-        return victims
 
     def __len__(self) -> int:
         return len(self._order) + len(self._loose)
