@@ -89,7 +89,6 @@ class HubChainPolicy(SegChainPolicy):
         self._since = 0
         self._evicted_since = 0
         self._held: dict[bytes, int] = {}  # key -> running requests that loaded it
-        self._picked: tuple | None = None  # (can_evict, victims) admit found, for the evict that follows
         self._loads = object()  # owner of each context's _Loaded (get_owned(self) holds its _HubReq)
         self._sample_table = bytes(int(b % self.SAMPLE == 0) for b in range(256))
 
@@ -227,17 +226,10 @@ class HubChainPolicy(SegChainPolicy):
                                 break
         return victims
 
-    def _count_victims(self, need: int, can_evict: Callable[[bytes], bool]) -> int:
-        # The manager's evict follows at once, for at most this many: it takes
-        # a head of these (a walk for fewer victims stops earlier on the same path).
-        victims = self._pick(need, can_evict)
-        self._picked = (can_evict, victims)
-        return len(victims)
-
     # ---- the EvictionPolicy contract -------------------------------------
 
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        self._picked = None
+        self._picked = None  # (segchain's insert is not called)
         req = ctx.get_owned(self) if ctx is not None else None
         now = self._clock
         if req is not None and req.hub:
@@ -259,10 +251,6 @@ class HubChainPolicy(SegChainPolicy):
         for k in reversed(keys):
             dest[k] = now
         self._follow(keys, A)
-
-    def insert_cold(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        self._picked = None
-        super().insert_cold(keys, ctx)
 
     def access(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         """A running request loaded these (its head): no other request's
@@ -296,7 +284,6 @@ class HubChainPolicy(SegChainPolicy):
         loaded.keys = set()
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        self._picked = None
         self._let_go(ctx)
         hubbed = self._hubbed
         if hubbed and not hubbed.keys().isdisjoint(keys):
@@ -309,7 +296,6 @@ class HubChainPolicy(SegChainPolicy):
         self._follow(keys, A)
 
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        self._picked = None
         self._let_go(ctx)  # the request finished
         super().refresh(keys, ctx)
         hubbed, now = self._hubbed, self._clock
@@ -322,19 +308,10 @@ class HubChainPolicy(SegChainPolicy):
                 move(k)
 
     def remove(self, key: bytes) -> None:
-        self._picked = None
         super().remove(key)
         self._held.pop(key, None)
         self._hubbed.pop(key, None)
         self._branches.pop(key, None)
-
-    def _victims(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes] | None:
-        picked, self._picked = self._picked, None
-        if n > len(self):
-            return None
-        if picked is not None and picked[0] is can_evict and len(picked[1]) >= n:
-            return picked[1][:n]
-        return self._pick(n, can_evict)
 
     def _drop(self, victims: list[bytes]) -> None:
         order, loose, hubbed = self._order, self._loose, self._hubbed

@@ -36,6 +36,7 @@ class SegChainPolicy(ChainPolicy):
     def __init__(self, capacity: int):
         super().__init__(capacity)
         self._loose: OrderedDict[bytes, int] = OrderedDict()  # new chains' blocks, never hit; oldest first
+        self._picked: tuple | None = None  # (can_evict, victims) admit counted, for the evict that follows
 
     def _start(self, keys: list[bytes], ctx: ReqContext) -> _Req:
         """As chain's, the last use of a resident block looked up in every
@@ -119,11 +120,16 @@ class SegChainPolicy(ChainPolicy):
         return victims
 
     def _count_victims(self, need: int, can_evict: Callable[[bytes], bool]) -> int:
-        return len(self._pick(need, can_evict))
+        # The manager's evict follows at once, for at most this many: it takes
+        # a head of these (a walk for fewer victims stops earlier on the same path).
+        victims = self._pick(need, can_evict)
+        self._picked = (can_evict, victims)
+        return len(victims)
 
     # ---- the EvictionPolicy contract -------------------------------------
 
     def insert(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        self._picked = None  # any change: admit's count is stale
         req = ctx.get_owned(self) if ctx is not None else None
         dest = self._loose if req is not None and req.loose else self._order
         now = self._clock
@@ -131,6 +137,7 @@ class SegChainPolicy(ChainPolicy):
             dest[k] = now
 
     def insert_cold(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        self._picked = None  # any change: admit's count is stale
         loose = self._loose
         move = loose.move_to_end
         for k in keys:  # head first to the old end: the tail ends up oldest
@@ -138,6 +145,7 @@ class SegChainPolicy(ChainPolicy):
             move(k, last=False)
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        self._picked = None  # any change: admit's count is stale
         now = self._tick(ctx)
         order, loose = self._order, self._loose
         move = order.move_to_end
@@ -150,6 +158,7 @@ class SegChainPolicy(ChainPolicy):
                 order[k] = now
 
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
+        self._picked = None  # any change: admit's count is stale
         now = self._tick(ctx)
         for seg in (self._order, self._loose):
             move = seg.move_to_end
@@ -164,6 +173,7 @@ class SegChainPolicy(ChainPolicy):
         return self._clock
 
     def remove(self, key: bytes) -> None:
+        self._picked = None  # any change: admit's count is stale
         self._order.pop(key, None)
         self._loose.pop(key, None)
 
@@ -181,7 +191,12 @@ class SegChainPolicy(ChainPolicy):
         return victims
 
     def _victims(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes] | None:
-        return self._pick(n, can_evict) if n <= len(self) else None
+        picked, self._picked = self._picked, None
+        if n > len(self):
+            return None
+        if picked is not None and picked[0] is can_evict and len(picked[1]) >= n:
+            return picked[1][:n]
+        return self._pick(n, can_evict)
 
     def _drop(self, victims: list[bytes]) -> None:
         """Stop tracking the victims; each becomes a ghost."""
