@@ -185,3 +185,24 @@ def test_one_shot_prompts_after_a_preamble_give_way_to_returning_conversations()
         hits[policy] = n
     assert m.policy.shift > 0
     assert hits["hubchain"] > 10 * hits["segchain"], hits
+
+
+def test_a_head_two_running_requests_loaded_is_held_until_both_finish():
+    m = CPUOffloadingManager(16, "hubchain")
+    head = keys(0, 4)
+    turn(m, head)
+    ctxs = []
+    for name in ("a", "b"):
+        ctx = ReqContext(name)
+        for i, k in enumerate(head):
+            ctx.set_offload_key_position(k, (i + 1) * 64)
+        m.on_new_request(ctx)
+        m.prepare_load(head[:3] if name == "a" else head, ctx)  # a loads 3 of the 4
+        m.complete_load(head[:3] if name == "a" else head, ctx)
+        ctxs.append(ctx)
+    pol = m.policy
+    assert pol._held == set(head) and pol._held_more == {k: 2 for k in head[:3]}
+    m.on_request_finished(ctxs[0])
+    assert pol._held == set(head) and not pol._held_more  # b still holds all four
+    m.on_request_finished(ctxs[1])
+    assert not pol._held

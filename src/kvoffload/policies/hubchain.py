@@ -88,7 +88,10 @@ class HubChainPolicy(SegChainPolicy):
         self._started = [0.0, 0.0]  # episodes started per class since _since
         self._since = 0
         self._evicted_since = 0
-        self._held: dict[bytes, int] = {}  # key -> running requests that loaded it
+        # Keys running requests loaded (a set: C-level updates), and how many
+        # hold a key that more than one holds.
+        self._held: set[bytes] = set()
+        self._held_more: dict[bytes, int] = {}
         self._loads = object()  # owner of each context's _Loaded (get_owned(self) holds its _HubReq)
         self._sample_table = bytes(int(b % self.SAMPLE == 0) for b in range(256))
 
@@ -263,24 +266,26 @@ class HubChainPolicy(SegChainPolicy):
         if loaded is None:
             loaded = _Loaded()
             ctx.set_owned(self._loads, loaded)
-        held, mine = self._held, loaded.keys
-        new = mine.isdisjoint(keys) and keys or [k for k in keys if k not in mine]
-        mine.update(new)
-        get = held.get
-        for k in new:
-            held[k] = get(k, 0) + 1
+        held, more, mine = self._held, self._held_more, loaded.keys
+        new = set(keys).difference(mine)
+        mine |= new
+        for k in held.intersection(new):  # held by another running request too (rare)
+            more[k] = more.get(k, 1) + 1
+        held |= new
 
     def _let_go(self, ctx: ReqContext | None) -> None:
         loaded = ctx.get_owned(self._loads) if ctx is not None else None
         if loaded is None or not loaded.keys:
             return
-        held = self._held
-        for k in loaded.keys:
-            n = held.get(k, 0) - 1
-            if n > 0:
-                held[k] = n
-            else:
-                held.pop(k, None)
+        held, more, mine = self._held, self._held_more, loaded.keys
+        if more:
+            for k in more.keys() & mine:  # still held by another
+                mine.discard(k)
+                if more[k] > 2:
+                    more[k] -= 1
+                else:
+                    del more[k]
+        held -= mine
         loaded.keys = set()
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
@@ -309,7 +314,8 @@ class HubChainPolicy(SegChainPolicy):
 
     def remove(self, key: bytes) -> None:
         super().remove(key)
-        self._held.pop(key, None)
+        self._held.discard(key)
+        self._held_more.pop(key, None)
         self._hubbed.pop(key, None)
         self._branches.pop(key, None)
 
