@@ -289,7 +289,7 @@ class HubChainPolicy(SegChainPolicy):
         loaded.keys = set()
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        self._let_go(ctx)
+        self._let_go(ctx)  # its use is committed (vLLM 0.33: at the finish): the head is ranked now
         hubbed = self._hubbed
         if hubbed and not hubbed.keys().isdisjoint(keys):
             order, now = self._order, self._clock
