@@ -66,3 +66,27 @@ def test_a_store_landing_after_the_finish_is_still_loose():
     m.on_request_finished(ctx)
     m.complete_store(out.keys_to_store, ctx)
     assert all(k in m.policy._loose for k in keys(0, 4))
+
+
+def test_admits_count_is_reused_by_the_evict_that_follows_and_dropped_by_any_change():
+    """admit walks the victims it counts; the evict that follows takes them
+    without a second walk, but only if nothing changed in between."""
+    pol = SegChainPolicy(4)
+    old = keys(0, 4)
+    pol.insert(old, None)
+    ctx = ReqContext("r")
+    new = keys(1, 2)
+    for i, k in enumerate(new):
+        ctx.set_offload_key_position(k, (i + 1) * 64)
+    can_evict = lambda k: True  # noqa: E731
+    assert pol.admit(new, 0, ctx, can_evict) == 2
+    assert pol._picked is not None and pol._picked[1] == old[::-1][:2]  # the tail first
+    pol.remove(old[3])  # a change: the count is stale
+    assert pol._picked is None
+    victims = pol.evict(2, can_evict)
+    assert old[3] not in victims and len(victims) == 2
+    ctx2 = ReqContext("r2")
+    ctx2.set_offload_key_position(keys(2, 1)[0], 64)
+    assert pol.admit(keys(2, 1), 0, ctx2, can_evict) == 1  # one key left to evict
+    other = lambda k: True  # noqa: E731  (another can_evict: walk again)
+    assert pol.evict(1, other) == [old[0]] and pol._picked is None
