@@ -24,6 +24,8 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
                   empty cache (hubchain: tuned on the first, judged on the second)
   chat-judge2, scan-judge2, oneshot-judge2, systail-judge2, convo-judge2   fresh seeds of the built rows
                   (hubchain's judge run; never looked at before it)
+  chat-judge3, scan-judge3, oneshot-judge3, systail-judge3, convo-judge3   fresh seeds again (hubchain's
+                  second judge run, after the smoothed split)
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
@@ -134,7 +136,8 @@ def convo(seed: int = 31, sessions: int = 3000) -> list[Req]:
 WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "agentic-all-s0", "agentic-all-s600",
              "chat-tune", "chat-judge", "mooncake", "scan", "oneshot", "systail",
              "scan-tune", "oneshot-tune", "convo-tune", "mooncake-first", "mooncake-second",
-             "chat-judge2", "scan-judge2", "oneshot-judge2", "systail-judge2", "convo-judge2"]
+             "chat-judge2", "scan-judge2", "oneshot-judge2", "systail-judge2", "convo-judge2",
+             "chat-judge3", "scan-judge3", "oneshot-judge3", "systail-judge3", "convo-judge3"]
 
 
 def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
@@ -152,7 +155,9 @@ GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail,
              "convo-tune": convo,  # Mooncake-like tuning row for duel (the trace itself is judge data)
              # hubchain's judge rows: fresh seeds
              "scan-judge2": lambda: scan(41, 1500, 400), "oneshot-judge2": lambda: oneshot(42, 800, 3),
-             "systail-judge2": lambda: systail(43), "convo-judge2": lambda: convo(44)}
+             "systail-judge2": lambda: systail(43), "convo-judge2": lambda: convo(44),
+             "scan-judge3": lambda: scan(51, 1500, 400), "oneshot-judge3": lambda: oneshot(52, 800, 3),
+             "systail-judge3": lambda: systail(53), "convo-judge3": lambda: convo(54)}
 
 
 def replay_args(name: str, out_dir: Path) -> list[str]:
@@ -168,7 +173,8 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
                 os.symlink(AGENTIC / link.name, link)
         return [str(d), "--stagger", stagger or "60"]
     if name.startswith("chat-"):
-        return ["--sessions", "2000", "--seed", {"chat-tune": "0", "chat-judge": "1", "chat-judge2": "2"}[name]]
+        seeds = {"chat-tune": "0", "chat-judge": "1", "chat-judge2": "2", "chat-judge3": "3"}
+        return ["--sessions", "2000", "--seed", seeds[name]]
     if name == "mooncake":
         return [str(TRACES / "mooncake_conversation_trace.jsonl")]
     if name.startswith("mooncake-"):
