@@ -177,6 +177,15 @@ class HubChainMachine(ChainMachine):
     """`hubchain` (segchain whose hub branches age faster) under the same contract."""
     policy = "hubchain"
 
+    @invariant()
+    def sampled_episodes_are_counted_by_rate(self):
+        pol = self.m.policy
+        live = [0] * len(pol._live)
+        for e in pol._episodes.values():
+            live[(e >> 1) & 127] += 1
+        assert live == pol._live
+        assert pol._low <= min(pol._rate) and all(n == 0 for n in live[:pol._low])
+
 
 TestHubChainManager = HubChainMachine.TestCase
 TestHubChainManager.settings = TestChainManager.settings

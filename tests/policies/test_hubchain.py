@@ -75,22 +75,22 @@ def test_the_split_keeps_the_class_whose_reuse_a_longer_life_catches():
         pol = HubChainPolicy(1000)
         pol.FOLLOW = follow
         pol._clock = 1000
-        _feed(pol, A, [200], 400)
-        _feed(pol, B, [0], 400)
+        _feed(pol, A, [200], 3200)
+        _feed(pol, B, [0], 3200)
         pol._split()
         shifts.append(pol.shift)
     assert shifts[0] > 88  # the split's target
     assert shifts[1] == HubChainPolicy.FOLLOW * shifts[0]  # shift moves part of the way there
     pol = HubChainPolicy(4096)  # room for the rest's 640 and the branches' 200 lives
     pol._clock = 1000
-    _feed(pol, A, [200], 400)
-    _feed(pol, B, [0], 400)
+    _feed(pol, A, [200], 3200)
+    _feed(pol, B, [0], 3200)
     pol._split()
     assert pol.shift == 0.0
     pol = HubChainPolicy(4096)
     pol._clock = 1000
-    _feed(pol, A, [20, 40], 400)
-    _feed(pol, B, [20, 40], 400)
+    _feed(pol, A, [20, 40], 3200)
+    _feed(pol, B, [20, 40], 3200)
     pol._split()
     assert pol.shift == 0.0
     pol = HubChainPolicy(4096)
@@ -102,17 +102,36 @@ def test_the_split_keeps_the_class_whose_reuse_a_longer_life_catches():
 
 
 def test_reuse_distances_are_followed_on_a_sample_whatever_the_cache_keeps():
-    from kvoffload.policies.hubchain import A, B, _bin
+    """A class sampled at 1 in 2**rate starts episodes on keys whose hash byte
+    is a multiple of 2**rate, each weighted 2**rate; any later use of a key
+    ends its episode, whatever class or rate it is used under then."""
+    from kvoffload.policies.hubchain import A, B, BINS, _bin
     pol = HubChainPolicy(4)
+    assert pol._rate == [0, 0]  # a small cache: every key, until the first split
+    pol._rate = [0, 3]  # hub branches 1 in 8, the rest all
+    pol._low = 0
     sampled = [bytes([0] * 7 + [8 * i]) + b"\0" * 4 for i in range(1, 4)]  # hash byte % 8 == 0
     other = bytes([0] * 7 + [3]) + b"\0" * 4
     pol._clock = 10
     pol._follow(sampled + [other], B)
-    assert set(pol._episodes) == set(sampled) and pol._started[B] == 3
+    assert set(pol._episodes) == set(sampled) and pol._started[B] == 3 * 8
     pol._clock = 42
-    pol._follow(sampled[:1], A)  # reused 32 requests later: a B episode ends, an A one starts
-    assert pol._dist[B][_bin(32)] == 1.0
-    assert pol._episodes[sampled[0]] == (A, 42)
+    pol._follow(sampled[:1] + [other], A)  # reused 32 requests later: a B episode ends, A ones start
+    assert pol._dist[B][_bin(32)] == 8.0 and sum(pol._dist[B]) == 8.0
+    assert set(pol._episodes) == set(sampled) | {other} and pol._started[A] == 2
+    pol._rate = [3, 3]  # both 1 in 8 now: `other` is no longer sampled, its A episode still ends
+    pol._clock = 50
+    pol._follow([other], B)
+    assert pol._dist[A][_bin(8)] == 1.0 and other not in pol._episodes
+    # an episode no reuse ends within the horizon counts as never reused, with its weight
+    pol._clock = 10**6
+    pol._split()
+    assert pol._episodes == {} and pol._dist[B][BINS] > 0
+
+
+def test_the_first_sampling_rate_follows_the_capacity():
+    assert HubChainPolicy(400)._rate == [0, 0]
+    assert HubChainPolicy(16384)._rate == [3, 3]  # about TARGET keys of a capacity/4 window
 
 
 def test_a_running_requests_loaded_head_is_held_until_it_finishes():

@@ -17,14 +17,16 @@ soon, and LRU wins. So:
   key evicted recently (ARC's ghost hit), puts it in the chain order.
 - `shift` splits the cache between the two classes (branch blocks B, the
   rest A) the way that serves most hits, from their reuse distances
-  (miss-ratio-curve partitioning, as in Talus or Cliffhanger): one key in
-  SAMPLE is followed whatever the cache does, and each reuse records the
+  (miss-ratio-curve partitioning, as in Talus or Cliffhanger): a sample of
+  keys is followed whatever the cache does, and each reuse records the
   distance since its class's last use (in requests; 4 bins per octave, up
-  to HORIZON). With F_c(L) the share of a class's episodes reused within L
+  to HORIZON). Each class has its own sampling rate, about TARGET keys per
+  split window, so a minority class (the few continued conversations on
+  Mooncake) is followed in full rather than by a few dozen episodes. With F_c(L) the share of a class's episodes reused within L
   and M_c(L) their mean space-time min(d, L), lives L_A and L_B may take
   rate_A M_A(L_A) + rate_B M_B(L_B) <= capacity blocks; the pair with most
   hits rate_A F_A(L_A) + rate_B F_B(L_B) gives the target L_A - L_B, and
-  shift moves a quarter of the way there at each split. This sees
+  shift moves an eighth of the way there at each split. This sees
   what ghosts cannot: when reuse comes later than the cache's lifetime
   (Mooncake at 1%: minutes between turns), keeping fewer conversations for
   longer pays, and only distances beyond the lifetime say so.
@@ -38,9 +40,9 @@ refuses the rest, the reuse-interval shield, f) is `segchain`'s.
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import chain
+from itertools import chain, compress, repeat
 from operator import itemgetter
 
 from kvoffload.abstractions import ReqContext
@@ -52,10 +54,15 @@ _EDGE = [2.0 ** ((b + 1) / 4) for b in range(BINS)]  # upper distance of each bi
 _MID = [(_EDGE[b - 1] if b else 0.0) / 2 + _EDGE[b] / 2 for b in range(BINS)]
 A, B = 0, 1  # the classes: the rest, hub branches
 _HASH_BYTE = itemgetter(-5)  # a key's last hash byte (4 group bytes follow)
+_MAX_RATE = 6  # 1 in 64 at most
+_TABLES = [bytes(int(b % (1 << k) == 0) for b in range(256)) for k in range(_MAX_RATE + 1)]  # sampled bytes
 
 
 def _bin(d: float) -> int:
     return min(BINS - 1, int(4 * math.log2(d))) if d > 1.0 else 0
+
+
+_BIN_OF = [_bin(d) for d in range(int(HORIZON) + 1)]  # _bin of a whole distance up to HORIZON
 
 
 class _HubReq(_SegReq):
@@ -74,12 +81,13 @@ class _Loaded:
 class HubChainPolicy(SegChainPolicy):
     name = "hubchain"
     HUB = 8  # branches seen from a block before it counts as a hub
-    SAMPLE = 8  # one key in SAMPLE is followed for reuse distances
-    MIN_EPISODES = 50  # per class, before the split moves from shift 0
-    # shift moves this part of the way to each split's target: a split from a
-    # few hundred sampled episodes flips between 0 and long lives (Mooncake's
-    # first half: a quarter of the splits at 0, a quarter above 900 requests).
-    FOLLOW = 0.25
+    TARGET = 512  # keys of each class sampled per split window (about), for reuse distances
+    MIN_EPISODES = 50  # per class (weighted by rate), before the split moves from shift 0
+    # shift moves this part of the way to each split's target: the targets of
+    # successive splits swing (Mooncake's first half at 10%: 300-800 requests),
+    # and a steady shift serves more hits than one that follows each (tune rows:
+    # 1/8 beat 1/4 and 1/16).
+    FOLLOW = 0.125
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
@@ -87,8 +95,15 @@ class HubChainPolicy(SegChainPolicy):
         self._branches: dict[bytes, int] = {}  # resident key -> requests that branched right after it
         self._recent: OrderedDict[bytes, None] = OrderedDict()  # evicted keys (ARC's ghosts), bounded by capacity
         self.shift = 0.0  # in requests (the clock's unit)
-        # Sampled keys -> (class, clock of the episode's start), oldest start first.
-        self._episodes: OrderedDict[bytes, tuple[int, int]] = OrderedDict()
+        # Sampled keys -> (start clock << 8) | (rate exponent << 1) | class, oldest start first.
+        self._episodes: dict[bytes, int] = {}
+        # Per class: keys sampled at 1 in 2**rate; until the first split, about
+        # TARGET of the keys a window stores (a window: capacity/4 evictions).
+        first = min(_MAX_RATE, max(0, int(math.log2(max(1, capacity) / (4 * self.TARGET)))))
+        self._rate = [first, first]
+        self._low = first  # the lowest rate exponent of a live episode or a class
+        self._live = [0] * (_MAX_RATE + 1)  # live episodes per rate exponent
+        self._seen = [0, 0]  # keys used per class since the last split
         self._dist = ([0.0] * (BINS + 1), [0.0] * (BINS + 1))  # per class; the last bin: never reused
         self._started = [0.0, 0.0]  # episodes started per class since _since
         self._since = 0
@@ -98,46 +113,58 @@ class HubChainPolicy(SegChainPolicy):
         self._held: set[bytes] = set()
         self._held_more: dict[bytes, int] = {}
         self._loads = object()  # owner of each context's _Loaded (get_owned(self) holds its _HubReq)
-        self._sample_table = bytes(int(b % self.SAMPLE == 0) for b in range(256))
 
     # ---- reuse distances ---------------------------------------------------
 
     def _follow(self, keys: list[bytes], cls: int) -> None:
-        """A use of keys (stored, or hit) that start an episode of class cls;
-        a sampled key's previous episode ends in a reuse at its distance."""
-        # The sample: keys whose hash's last byte (4 group bytes follow) is a
-        # multiple of SAMPLE; found with C-level calls, a Python step per hit only.
-        flags = bytes(map(_HASH_BYTE, keys)).translate(self._sample_table)
-        i = flags.find(1)
-        if i < 0:
-            return
-        sampled = []
-        while i >= 0:
-            sampled.append(keys[i])
-            i = flags.find(1, i + 1)
-        episodes, now, dist = self._episodes, self._clock, self._dist
-        pop = episodes.pop
-        for k in sampled:
-            ep = pop(k, None)
-            if ep is not None:
-                dist[ep[0]][_bin(now - ep[1])] += 1.0
-            episodes[k] = (cls, now)
-        self._started[cls] += len(sampled)
+        """A use of keys (stored, or hit): each ends the episode it was
+        followed in (a reuse at its distance) and, if sampled, starts one of
+        class cls, weighted by its class's sampling rate."""
+        episodes, now, live = self._episodes, self._clock, self._live
+        # Every followed key ends its episode, sampled now or not, so one
+        # started under another class or rate still ends. Followed keys are all
+        # in the sample of the lowest rate live (the samples nest): only those
+        # are looked up (C-level calls).
+        low, k = self._low, self._rate[cls]
+        hashed = bytes(map(_HASH_BYTE, keys)) if k else None
+        if low:
+            hashed = hashed or bytes(map(_HASH_BYTE, keys))
+            cand = list(compress(keys, hashed.translate(_TABLES[low])))
+        else:
+            cand = keys
+        ended = list(map(episodes.pop, cand, repeat(None)))
+        self._seen[cls] += len(keys)
+        new = cand if k == low else list(compress(keys, hashed.translate(_TABLES[k])))
+        if new:
+            episodes.update(zip(new, repeat((now << 8) | (k << 1) | cls)))
+            self._started[cls] += len(new) << k
+            live[k] += len(new)
+        ended = [e for e in ended if e is not None]
+        if ended:
+            dist, bin_of, last = self._dist, _BIN_OF, len(_BIN_OF) - 1
+            for e in ended:  # (start << 8) | (rate exponent << 1) | class
+                d = now - (e >> 8)
+                ek = (e >> 1) & 127
+                live[ek] -= 1
+                dist[e & 1][bin_of[d] if d < last else BINS - 1] += float(1 << ek)
 
     def _split(self) -> None:
         """shift from the lives that serve most hits within the capacity."""
         now, episodes = self._clock, self._episodes
         span = max(1, now - self._since)
-        rates = [x * self.SAMPLE / span for x in self._started]  # episodes per request
+        rates = [x / span for x in self._started]  # episodes per request
         # An episode older than the longest life a class could have (the whole
         # cache to itself) will not be served by any split: count it as never.
         horizon = min(HORIZON, self.capacity / max(min(rates), 1e-9))
         while episodes:
-            k, (cls, start) = next(iter(episodes.items()))
-            if now - start <= horizon:
+            k = next(iter(episodes))
+            e = episodes[k]
+            if now - (e >> 8) <= horizon:
                 break
             del episodes[k]
-            self._dist[cls][BINS] += 1.0
+            ek = (e >> 1) & 127
+            self._live[ek] -= 1
+            self._dist[e & 1][BINS] += float(1 << ek)
         curves = []
         for cls in (A, B):
             h = self._dist[cls]
@@ -172,6 +199,11 @@ class HubChainPolicy(SegChainPolicy):
                 h[b] *= 0.5
         self._started = [x * 0.5 for x in self._started]
         self._since = now - span // 2
+        # Each class's rate for the next window: about TARGET keys of it sampled
+        # (a minority class, e.g. the few continued chains on Mooncake, fully).
+        self._rate = [min(_MAX_RATE, max(0, int(math.log2(max(1, n) / self.TARGET)))) for n in self._seen]
+        self._seen = [0, 0]
+        self._low = min(self._rate + [k for k, n in enumerate(self._live) if n])
 
     # ---- segchain's hooks ----------------------------------------------------
 
@@ -331,9 +363,10 @@ class HubChainPolicy(SegChainPolicy):
         for k in victims:
             if order.pop(k, None) is None and loose.pop(k, None) is None:
                 del hubbed[k]
-            ghost[k] = None
-            recent[k] = None
-            branches.pop(k, None)
+        ghost.update(zip(victims, repeat(None)))
+        recent.update(zip(victims, repeat(None)))
+        if branches:
+            deque(map(branches.pop, victims, repeat(None)), 0)
         while len(recent) > self.capacity:
             recent.popitem(last=False)
         self._evicted_since += len(victims)

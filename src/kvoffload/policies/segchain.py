@@ -58,18 +58,35 @@ class SegChainPolicy(ChainPolicy):
         """(last use, key) of the deepest resident block before the store."""
         positions = ctx.offload_key_positions()
         first = positions.get(keys[0])
-        prev = parent = None
-        if first is not None:
-            orders = self._orders()
-            best = -1
-            for k, p in positions.items():
-                if best < p < first:
-                    for order in orders:
-                        last = order.get(k)
-                        if last is not None:
-                            if last >= 0:
-                                best, prev, parent = p, last, k
-                            break
+        if first is None:
+            return None, None
+        orders = self._orders()
+        # From the deep end: positions are set in prefix order (vLLM's
+        # connector, the replay), so the first resident key met below the
+        # store is the deepest; positions met out of order: a full walk.
+        above = None
+        for k, p in reversed(positions.items()):
+            if above is not None and p >= above:
+                break
+            above = p
+            if p < first:
+                for order in orders:
+                    last = order.get(k)
+                    if last is not None:
+                        if last >= 0:
+                            return last, k
+                        break
+        else:
+            return None, None
+        best, prev, parent = -1, None, None
+        for k, p in positions.items():
+            if best < p < first:
+                for order in orders:
+                    last = order.get(k)
+                    if last is not None:
+                        if last >= 0:
+                            best, prev, parent = p, last, k
+                        break
         return prev, parent
 
     def _orders(self) -> tuple[OrderedDict, ...]:
