@@ -26,6 +26,8 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
                   (hubchain's judge run; never looked at before it)
   chat-judge3, scan-judge3, oneshot-judge3, systail-judge3, convo-judge3   fresh seeds again (hubchain's
                   second judge run, after the smoothed split)
+  chat-judge4, scan-judge4, oneshot-judge4, systail-judge4, convo-judge4, multisys-judge4   fresh seeds for
+                  hubchain's version 4, and a kind built for it (multisys: several system prompts, Mooncake-like turns)
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
@@ -133,11 +135,30 @@ def convo(seed: int = 31, sessions: int = 3000) -> list[Req]:
     return _interleave(rng, out, gap=300.0)
 
 
+def multisys(seed: int = 71, sessions: int = 3000, prompts: int = 8) -> list[Req]:
+    """Several system prompts (2-20 blocks, Zipf-popular), each a hub;
+    conversations after them go on as in `convo` (most end after a turn)."""
+    rng, ids = np.random.default_rng(seed), _Ids()
+    systems = [ids.take(int(rng.integers(2, 21))) for _ in range(prompts)]
+    weights = 1.0 / np.arange(1, prompts + 1)
+    weights /= weights.sum()
+    out = []
+    for _ in range(sessions):
+        ctx = systems[int(rng.choice(prompts, p=weights))] + ids.take(int(rng.integers(1, 24)))
+        turns = [ctx]
+        while rng.random() < min(0.8, 0.24 + 0.06 * len(turns)) and len(turns) < 30:
+            ctx = ctx + ids.take(int(rng.integers(1, 6)))
+            turns.append(ctx)
+        out.append(turns)
+    return _interleave(rng, out, gap=300.0)
+
+
 WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "agentic-all-s0", "agentic-all-s600",
              "chat-tune", "chat-judge", "mooncake", "scan", "oneshot", "systail",
              "scan-tune", "oneshot-tune", "convo-tune", "mooncake-first", "mooncake-second",
              "chat-judge2", "scan-judge2", "oneshot-judge2", "systail-judge2", "convo-judge2",
-             "chat-judge3", "scan-judge3", "oneshot-judge3", "systail-judge3", "convo-judge3"]
+             "chat-judge3", "scan-judge3", "oneshot-judge3", "systail-judge3", "convo-judge3",
+             "chat-judge4", "scan-judge4", "oneshot-judge4", "systail-judge4", "convo-judge4", "multisys-judge4"]
 
 
 def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
@@ -157,7 +178,10 @@ GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail,
              "scan-judge2": lambda: scan(41, 1500, 400), "oneshot-judge2": lambda: oneshot(42, 800, 3),
              "systail-judge2": lambda: systail(43), "convo-judge2": lambda: convo(44),
              "scan-judge3": lambda: scan(51, 1500, 400), "oneshot-judge3": lambda: oneshot(52, 800, 3),
-             "systail-judge3": lambda: systail(53), "convo-judge3": lambda: convo(54)}
+             "systail-judge3": lambda: systail(53), "convo-judge3": lambda: convo(54),
+             "scan-judge4": lambda: scan(61, 1500, 400), "oneshot-judge4": lambda: oneshot(62, 800, 3),
+             "systail-judge4": lambda: systail(63), "convo-judge4": lambda: convo(64),
+             "multisys-judge4": lambda: multisys(65)}
 
 
 def replay_args(name: str, out_dir: Path) -> list[str]:
@@ -173,7 +197,7 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
                 os.symlink(AGENTIC / link.name, link)
         return [str(d), "--stagger", stagger or "60"]
     if name.startswith("chat-"):
-        seeds = {"chat-tune": "0", "chat-judge": "1", "chat-judge2": "2", "chat-judge3": "3"}
+        seeds = {"chat-tune": "0", "chat-judge": "1", "chat-judge2": "2", "chat-judge3": "3", "chat-judge4": "4"}
         return ["--sessions", "2000", "--seed", seeds[name]]
     if name == "mooncake":
         return [str(TRACES / "mooncake_conversation_trace.jsonl")]
