@@ -88,9 +88,15 @@ class HubChainPolicy(SegChainPolicy):
     # and a steady shift serves more hits than one that follows each (tune rows:
     # 1/8 beat 1/4 and 1/16).
     FOLLOW = 0.125
+    # No reuse-interval shield (f stays 0): with 30 agentic conversations at
+    # once it refused stores that LRU would have made room for (all 30 at
+    # stagger 0, 10%: -0.004 against LRU); the held head, the own-key rule and
+    # the cut keep the agentic lead without it (agentic-judge at 1%: 11.7x LRU).
+    f_max = 0.0
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
+        self.f = 0.0
         self._hubbed: OrderedDict[bytes, int] = OrderedDict()  # hub branches' blocks, never hit; oldest first
         self._branches: dict[bytes, int] = {}  # resident key -> requests that branched right after it
         self._recent: OrderedDict[bytes, None] = OrderedDict()  # evicted keys (ARC's ghosts), bounded by capacity
