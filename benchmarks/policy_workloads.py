@@ -28,6 +28,8 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
                   second judge run, after the smoothed split)
   chat-judge4, scan-judge4, oneshot-judge4, systail-judge4, convo-judge4, multisys-judge4   fresh seeds for
                   hubchain's version 4, and a kind built for it (multisys: several system prompts, Mooncake-like turns)
+  chat-judge5, scan-judge5, oneshot-judge5, systail-judge5, convo-judge5, multisys-judge5   fresh seeds for
+                  hubchain's version 5
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
@@ -158,7 +160,8 @@ WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "ag
              "scan-tune", "oneshot-tune", "convo-tune", "mooncake-first", "mooncake-second",
              "chat-judge2", "scan-judge2", "oneshot-judge2", "systail-judge2", "convo-judge2",
              "chat-judge3", "scan-judge3", "oneshot-judge3", "systail-judge3", "convo-judge3",
-             "chat-judge4", "scan-judge4", "oneshot-judge4", "systail-judge4", "convo-judge4", "multisys-judge4"]
+             "chat-judge4", "scan-judge4", "oneshot-judge4", "systail-judge4", "convo-judge4", "multisys-judge4",
+             "chat-judge5", "scan-judge5", "oneshot-judge5", "systail-judge5", "convo-judge5", "multisys-judge5"]
 
 
 def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
@@ -181,7 +184,10 @@ GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail,
              "systail-judge3": lambda: systail(53), "convo-judge3": lambda: convo(54),
              "scan-judge4": lambda: scan(61, 1500, 400), "oneshot-judge4": lambda: oneshot(62, 800, 3),
              "systail-judge4": lambda: systail(63), "convo-judge4": lambda: convo(64),
-             "multisys-judge4": lambda: multisys(65)}
+             "multisys-judge4": lambda: multisys(65),
+             "scan-judge5": lambda: scan(81, 1500, 400), "oneshot-judge5": lambda: oneshot(82, 800, 3),
+             "systail-judge5": lambda: systail(83), "convo-judge5": lambda: convo(84),
+             "multisys-judge5": lambda: multisys(85)}
 
 
 def replay_args(name: str, out_dir: Path) -> list[str]:
@@ -197,7 +203,8 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
                 os.symlink(AGENTIC / link.name, link)
         return [str(d), "--stagger", stagger or "60"]
     if name.startswith("chat-"):
-        seeds = {"chat-tune": "0", "chat-judge": "1", "chat-judge2": "2", "chat-judge3": "3", "chat-judge4": "4"}
+        seeds = {"chat-tune": "0", "chat-judge": "1", "chat-judge2": "2", "chat-judge3": "3", "chat-judge4": "4",
+                 "chat-judge5": "5"}
         return ["--sessions", "2000", "--seed", seeds[name]]
     if name == "mooncake":
         return [str(TRACES / "mooncake_conversation_trace.jsonl")]
