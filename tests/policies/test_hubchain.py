@@ -1,6 +1,8 @@
 """The `hubchain` policy: segchain, whose blocks stored right after a hub
 (a block many requests branched from) age faster by an adaptive shift."""
 
+import pytest
+
 from kvoffload.abstractions import ReqContext
 from kvoffload.policies.hubchain import HubChainPolicy
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
@@ -230,3 +232,18 @@ def test_a_head_two_running_requests_loaded_is_held_until_both_finish():
     assert pol._held == set(head) and not pol._held_more  # b still holds all four
     m.on_request_finished(ctxs[1])
     assert not pol._held
+
+
+@pytest.mark.parametrize("policy, stored", [("segchain", False), ("hubchain", True)])
+def test_no_reuse_interval_shield(policy, stored):
+    """segchain shields blocks used within the storing request's own reuse
+    interval; hubchain does not (with many conversations at once the shield
+    refused stores LRU made room for): a conversation back after another's
+    turn stores its next blocks over the other's."""
+    m = CPUOffloadingManager(8, policy)
+    for n in (2, 4):  # two conversations, each back once (hit: chain blocks, not loose)
+        turn(m, keys(0, n))
+        turn(m, keys(1, n))  # full at the end
+    turn(m, keys(0, 6))  # conversation 0 again: 4 hits, 2 new blocks
+    assert all(k in m for k in keys(0, 6)) is stored
+    assert all(k in m for k in keys(1, 4)) is not stored
