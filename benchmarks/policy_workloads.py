@@ -120,20 +120,22 @@ def systail(seed: int = 13) -> list[Req]:
     return _interleave(rng, _sessions(rng, ids, 4000, sys_blocks=system, turns=(1, 3), grow=(2, 16)))
 
 
+def _goes_on(rng, ids: _Ids, ctx: list[bytes]) -> list[list[bytes]]:
+    """A conversation's turns from its first prompt: each goes on with a
+    probability growing with its depth (0.3 after the first turn, most end there)."""
+    turns = [ctx]
+    while rng.random() < min(0.8, 0.24 + 0.06 * len(turns)) and len(turns) < 30:
+        ctx = ctx + ids.take(int(rng.integers(1, 6)))
+        turns.append(ctx)
+    return turns
+
+
 def convo(seed: int = 31, sessions: int = 3000) -> list[Req]:
     """Mooncake-like (built, not taken from the trace): one shared system block,
-    conversations that go on with a probability growing with their depth
-    (0.3 after the first turn, most end there), turns far apart."""
+    conversations that mostly end after a turn, turns far apart."""
     rng, ids = np.random.default_rng(seed), _Ids()
     system = ids.take(1)
-    out = []
-    for _ in range(sessions):
-        ctx = system + ids.take(int(rng.integers(1, 24)))
-        turns = [ctx]
-        while rng.random() < min(0.8, 0.24 + 0.06 * len(turns)) and len(turns) < 30:
-            ctx = ctx + ids.take(int(rng.integers(1, 6)))
-            turns.append(ctx)
-        out.append(turns)
+    out = [_goes_on(rng, ids, system + ids.take(int(rng.integers(1, 24)))) for _ in range(sessions)]
     return _interleave(rng, out, gap=300.0)
 
 
@@ -144,14 +146,8 @@ def multisys(seed: int = 71, sessions: int = 3000, prompts: int = 8) -> list[Req
     systems = [ids.take(int(rng.integers(2, 21))) for _ in range(prompts)]
     weights = 1.0 / np.arange(1, prompts + 1)
     weights /= weights.sum()
-    out = []
-    for _ in range(sessions):
-        ctx = systems[int(rng.choice(prompts, p=weights))] + ids.take(int(rng.integers(1, 24)))
-        turns = [ctx]
-        while rng.random() < min(0.8, 0.24 + 0.06 * len(turns)) and len(turns) < 30:
-            ctx = ctx + ids.take(int(rng.integers(1, 6)))
-            turns.append(ctx)
-        out.append(turns)
+    out = [_goes_on(rng, ids, systems[int(rng.choice(prompts, p=weights))] + ids.take(int(rng.integers(1, 24))))
+           for _ in range(sessions)]
     return _interleave(rng, out, gap=300.0)
 
 
