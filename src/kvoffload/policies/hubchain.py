@@ -33,8 +33,11 @@ soon, and LRU wins. So:
 - Hub: a block once `HUB` requests have branched right after it (their
   stores began there); the count lives while the block is resident.
 
+- A running request's loaded head is held until it finishes (`access`).
+
 Everything else (a store never evicts its own request's keys, a cut store
-refuses the rest, the reuse-interval shield, f) is `segchain`'s.
+refuses the rest) is `segchain`'s, without its reuse-interval shield (f
+stays 0).
 """
 
 from __future__ import annotations
