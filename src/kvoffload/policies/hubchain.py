@@ -22,8 +22,9 @@ soon, and LRU wins. So:
   distance since its class's last use (in requests; 4 bins per octave, up
   to HORIZON). Each class has its own sampling rate, about TARGET keys per
   split window, so a minority class (the few continued conversations on
-  Mooncake) is followed in full rather than by a few dozen episodes. With F_c(L) the share of a class's episodes reused within L
-  and M_c(L) their mean space-time min(d, L), lives L_A and L_B may take
+  Mooncake) is followed in full rather than by a few dozen episodes. With
+  F_c(L) the share of a class's episodes reused within L and M_c(L) their
+  mean space-time min(d, L), lives L_A and L_B may take
   rate_A M_A(L_A) + rate_B M_B(L_B) <= capacity blocks; the pair with most
   hits rate_A F_A(L_A) + rate_B F_B(L_B) gives the target L_A - L_B, and
   shift moves an eighth of the way there at each split. This sees
@@ -32,7 +33,6 @@ soon, and LRU wins. So:
   longer pays, and only distances beyond the lifetime say so.
 - Hub: a block once `HUB` requests have branched right after it (their
   stores began there); the count lives while the block is resident.
-
 - A running request's loaded head is held until it finishes (`access`).
 
 Everything else (a store never evicts its own request's keys, a cut store
