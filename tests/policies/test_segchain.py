@@ -1,6 +1,8 @@
 """The `segchain` policy: chain's rules, but blocks of a new chain are loose
 (unshielded) until their first hit."""
 
+import pytest
+
 from kvoffload.abstractions import ReqContext
 from kvoffload.policies.segchain import SegChainPolicy
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
@@ -90,3 +92,26 @@ def test_admits_count_is_reused_by_the_evict_that_follows_and_dropped_by_any_cha
     assert pol.admit(keys(2, 1), 0, ctx2, can_evict) == 1  # one key left to evict
     other = lambda k: True  # noqa: E731  (another can_evict: walk again)
     assert pol.evict(1, other) == [old[0]] and pol._picked is None
+
+
+@pytest.mark.parametrize("swapped", [False, True])
+def test_the_deepest_resident_block_before_a_store(swapped):
+    """Found from the deep end, as positions are set in prefix order (vLLM's
+    connector, the replay); positions met out of order on the way: a full
+    walk, with the same answer."""
+    pol = SegChainPolicy(64)
+    prompt = keys(0, 12)
+    for i, k in enumerate(prompt[:8]):
+        if i != 6:  # block 6 is not resident: the deepest resident before block 8 is block 7
+            pol._order[k] = 100 + i
+    ctx = ReqContext("r")
+    order = list(enumerate(prompt))
+    if swapped:
+        order[-2], order[-1] = order[-1], order[-2]  # the deep end set out of order
+    for i, k in order:
+        ctx.set_offload_key_position(k, (i + 1) * 64)
+    assert pol._prefix_end(prompt[8:], ctx) == (107, prompt[7])
+    del pol._order[prompt[7]]
+    assert pol._prefix_end(prompt[8:], ctx) == (105, prompt[5])
+    pol._order.clear()
+    assert pol._prefix_end(prompt[8:], ctx) == (None, None)

@@ -63,7 +63,8 @@ class SegChainPolicy(ChainPolicy):
         orders = self._orders()
         # From the deep end: positions are set in prefix order (vLLM's
         # connector, the replay), so the first resident key met below the
-        # store is the deepest; positions met out of order: a full walk.
+        # store is the deepest. That is assumed, not checked: positions met out
+        # of order on the way fall back to the full walk, others are not seen.
         above = None
         for k, p in reversed(positions.items()):
             if above is not None and p >= above:
