@@ -219,6 +219,10 @@ class HubChainPolicy(SegChainPolicy):
     def _orders(self) -> tuple[OrderedDict, ...]:
         return self._order, self._loose, self._hubbed
 
+    def _learn(self, first_miss: bytes) -> None:
+        """Nothing: f stays 0, so chain's regret ghosts are not kept (victims
+        do not go to `_evicted`)."""
+
     def _new_req(self, threshold: float) -> _HubReq:
         req = _HubReq(threshold)
         req.hub = False
@@ -368,11 +372,10 @@ class HubChainPolicy(SegChainPolicy):
 
     def _drop(self, victims: list[bytes]) -> None:
         order, loose, hubbed = self._order, self._loose, self._hubbed
-        ghost, recent, branches = self._evicted, self._recent, self._branches
+        recent, branches = self._recent, self._branches
         for k in victims:
             if order.pop(k, None) is None and loose.pop(k, None) is None:
                 del hubbed[k]
-        ghost.update(zip(victims, repeat(None)))
         recent.update(zip(victims, repeat(None)))
         if branches:
             deque(map(branches.pop, victims, repeat(None)), 0)
