@@ -30,6 +30,9 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
                   hubchain's version 4, and a kind built for it (multisys: several system prompts, Mooncake-like turns)
   chat-judge5, scan-judge5, oneshot-judge5, systail-judge5, convo-judge5, multisys-judge5   fresh seeds for
                   hubchain's version 5
+  chat-judge6, scan-judge6, oneshot-judge6, systail-judge6, convo-judge6, multisys-judge6, tools-judge6
+                  fresh seeds for hubchain's version 6, and a kind added with them (tools: agent loops behind
+                  a few long tool schemas, many short turns close together)
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
@@ -151,13 +154,31 @@ def multisys(seed: int = 71, sessions: int = 3000, prompts: int = 8) -> list[Req
     return _interleave(rng, out, gap=300.0)
 
 
+def tools(seed: int = 96, sessions: int = 1500, schemas: int = 3) -> list[Req]:
+    """Agent loops behind a few long tool schemas (30-60 blocks each): a
+    session runs 2-20 short turns (a tool call and its result) close together."""
+    rng, ids = np.random.default_rng(seed), _Ids()
+    heads = [ids.take(int(rng.integers(30, 61))) for _ in range(schemas)]
+    out = []
+    for _ in range(sessions):
+        ctx = heads[int(rng.integers(schemas))] + ids.take(int(rng.integers(2, 12)))
+        turns = [ctx]
+        for _ in range(int(rng.integers(1, 20))):
+            ctx = ctx + ids.take(int(rng.integers(1, 4)))
+            turns.append(ctx)
+        out.append(turns)
+    return _interleave(rng, out, gap=15.0)
+
+
 WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "agentic-all-s0", "agentic-all-s600",
              "chat-tune", "chat-judge", "mooncake", "scan", "oneshot", "systail",
              "scan-tune", "oneshot-tune", "convo-tune", "mooncake-first", "mooncake-second",
              "chat-judge2", "scan-judge2", "oneshot-judge2", "systail-judge2", "convo-judge2",
              "chat-judge3", "scan-judge3", "oneshot-judge3", "systail-judge3", "convo-judge3",
              "chat-judge4", "scan-judge4", "oneshot-judge4", "systail-judge4", "convo-judge4", "multisys-judge4",
-             "chat-judge5", "scan-judge5", "oneshot-judge5", "systail-judge5", "convo-judge5", "multisys-judge5"]
+             "chat-judge5", "scan-judge5", "oneshot-judge5", "systail-judge5", "convo-judge5", "multisys-judge5",
+             "chat-judge6", "scan-judge6", "oneshot-judge6", "systail-judge6", "convo-judge6", "multisys-judge6",
+             "tools-judge6"]
 
 
 def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
@@ -183,7 +204,10 @@ GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail,
              "multisys-judge4": lambda: multisys(65),
              "scan-judge5": lambda: scan(81, 1500, 400), "oneshot-judge5": lambda: oneshot(82, 800, 3),
              "systail-judge5": lambda: systail(83), "convo-judge5": lambda: convo(84),
-             "multisys-judge5": lambda: multisys(85)}
+             "multisys-judge5": lambda: multisys(85),
+             "scan-judge6": lambda: scan(91, 1500, 400), "oneshot-judge6": lambda: oneshot(92, 800, 3),
+             "systail-judge6": lambda: systail(93), "convo-judge6": lambda: convo(94),
+             "multisys-judge6": lambda: multisys(95), "tools-judge6": lambda: tools(96)}
 
 
 def replay_args(name: str, out_dir: Path) -> list[str]:
@@ -200,7 +224,7 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
         return [str(d), "--stagger", stagger or "60"]
     if name.startswith("chat-"):
         seeds = {"chat-tune": "0", "chat-judge": "1", "chat-judge2": "2", "chat-judge3": "3", "chat-judge4": "4",
-                 "chat-judge5": "5"}
+                 "chat-judge5": "5", "chat-judge6": "6"}
         return ["--sessions", "2000", "--seed", seeds[name]]
     if name == "mooncake":
         return [str(TRACES / "mooncake_conversation_trace.jsonl")]
