@@ -247,3 +247,43 @@ def test_no_reuse_interval_shield(policy, stored):
     turn(m, keys(0, 6))  # conversation 0 again: 4 hits, 2 new blocks
     assert all(k in m for k in keys(0, 6)) is stored
     assert all(k in m for k in keys(1, 4)) is not stored
+
+
+def _hub_head_then_chain(shift: float) -> tuple[CPUOffloadingManager, list[bytes], list[bytes], list[bytes]]:
+    """A full cache: a hub (two system blocks) and its first branches, a hub
+    branch (whose hit makes the system blocks a hub head), then a chain."""
+    m = CPUOffloadingManager(2 + (HUB - 1) + 2 + 4, "hubchain")
+    system = keys(0, 2)
+    turn(m, system)
+    for i in range(1, HUB):
+        turn(m, system + keys(i, 1))
+    turn(m, system + keys(HUB, 2))
+    chain = keys(50, 4)
+    turn(m, chain)
+    m.policy.shift = shift
+    return m, system, keys(HUB, 2), chain
+
+
+def test_a_hub_branch_requests_head_lives_longer_by_the_shift():
+    m, system, branch, chain = _hub_head_then_chain(0.0)
+    pol = m.policy
+    assert all(k in pol._heads for k in system) and not any(k in pol._order for k in system)
+    assert all(k in pol._hubbed for k in branch) and all(k in pol._order or k in pol._loose for k in chain)
+    need = (HUB - 1) + 2 + 2
+    out = m.prepare_store(keys(70, need), None)
+    assert set(system) <= set(out.evicted_keys)  # no shift: LRU, the head is older than the chain
+    assert not set(chain) & set(out.evicted_keys)
+    m, system, branch, chain = _hub_head_then_chain(1000.0)
+    out = m.prepare_store(keys(70, need), None)
+    assert set(branch) <= set(out.evicted_keys)  # the branch counts older by the shift
+    assert not set(system) & set(out.evicted_keys)  # the head newer by HEAD_GAIN shifts: the chain goes first
+    assert len(set(chain) & set(out.evicted_keys)) == 2
+
+
+def test_a_hub_head_stays_a_head_when_other_requests_hit_it():
+    m, system, _, _ = _hub_head_then_chain(0.0)
+    pol = m.policy
+    before = pol._heads[system[0]]
+    turn(m, system + keys(HUB, 2) + keys(99, 1))  # a continued branch hits the head again
+    assert all(k in pol._heads for k in system) and pol._heads[system[0]] > before
+    assert list(pol._heads)[-1] == system[0]  # renewed, the tail older than the head
