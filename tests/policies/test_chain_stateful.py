@@ -30,6 +30,7 @@ picks = st.integers(0, 1000)
 
 class ChainMachine(RuleBasedStateMachine):
     policy = "chain"
+    holds_loaded_heads = False  # a running request's loaded keys are kept from other requests' stores
 
     def __init__(self):
         super().__init__()
@@ -39,6 +40,7 @@ class ChainMachine(RuleBasedStateMachine):
         self.stores: list[list[bytes]] = []
         self.loads: list[list[bytes]] = []
         self.ctx, self.own, self.cut = None, [], False
+        self.held: set[bytes] = set()
         self.new_request(0, 4)
 
     @rule(start=st.integers(0, 11), length=st.integers(1, 12))
@@ -51,6 +53,7 @@ class ChainMachine(RuleBasedStateMachine):
         for i, k in enumerate(self.own):
             self.ctx.set_offload_key_position(k, (i + 1) * 16)
         self.cut = False
+        self.held = set()  # the finished request let go of its head
         self.m.on_new_request(self.ctx)
 
     def snapshot(self):
@@ -104,6 +107,8 @@ class ChainMachine(RuleBasedStateMachine):
             run.append(k)
         if run:
             self.m.prepare_load(run, self.ctx)
+            if self.holds_loaded_heads:
+                self.held.update(run)
             self.pins.update(run)
             self.loads.append(run)
 
@@ -118,7 +123,8 @@ class ChainMachine(RuleBasedStateMachine):
     def store_without_context(self, keys):
         """No context: no structure known, so no admission (plain LRU)."""
         new = list(dict.fromkeys(k for k in keys if k not in self.state))
-        evictable = [k for k, s in self.state.items() if s == "ready" and not self.pins[k] and k not in keys]
+        evictable = [k for k, s in self.state.items()
+                     if s == "ready" and not self.pins[k] and k not in keys and k not in self.held]
         fits = len(new) - (CAPACITY - len(self.state)) <= len(evictable)
         before = self.snapshot()
         out = self.m.prepare_store(keys, None)
@@ -141,6 +147,7 @@ class ChainMachine(RuleBasedStateMachine):
             return  # the fenced-slot rules are the generic machine's (test_cpu_manager_stateful)
         self.m.reset_cache()  # a fresh policy: the request's cut is forgotten with the rest
         self.state.clear()
+        self.held = set()
         self.cut = False
 
     @invariant()
@@ -176,6 +183,7 @@ TestSegChainManager.settings = TestChainManager.settings
 class HubChainMachine(ChainMachine):
     """`hubchain` (segchain whose hub branches age faster) under the same contract."""
     policy = "hubchain"
+    holds_loaded_heads = True
 
     @invariant()
     def sampled_episodes_are_counted_by_rate(self):

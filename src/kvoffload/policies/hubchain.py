@@ -51,7 +51,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import compress, repeat
+from itertools import chain, compress, repeat
 from operator import itemgetter
 
 from kvoffload.abstractions import ReqContext
@@ -156,9 +156,11 @@ class HubChainPolicy(SegChainPolicy):
         self._seen[cls] += len(keys)
         new = cand if k == low else list(compress(keys, hashed.translate(_TABLES[k])))
         if new:
+            before = len(episodes)
             episodes.update(zip(new, repeat((now << 8) | (k << 1) | cls)))
-            self._started[cls] += len(new) << k
-            live[k] += len(new)
+            added = len(episodes) - before  # not len(new): a key used twice in one call starts one episode
+            self._started[cls] += added << k
+            live[k] += added
         ended = [e for e in ended if e is not None]
         if ended:
             dist, bin_of, last = self._dist, _BIN_OF, len(_BIN_OF) - 1
@@ -257,20 +259,32 @@ class HubChainPolicy(SegChainPolicy):
         walks = [iter(self._order.items()), iter(self._loose.items()), iter(hubbed.items()), iter(heads.items())]
         offset = (0.0, 0.0, -shift, self.HEAD_GAIN * shift)
         at = [next(w, None) for w in walks]
+        if at[0] is not None and at[0][1] >= threshold:
+            at[0] = None  # chain's order is shielded from its first block
+        inf = math.inf
+        eff = [inf if a is None else a[1] + o for a, o in zip(at, offset)]  # each walk's next block, shifted
+        left = 4 - at.count(None)
         victims: list[bytes] = []
-        while len(victims) < n:
-            if at[0] is not None and at[0][1] >= threshold:
-                at[0] = None  # the rest of chain's order is shielded
-            i, first = -1, 0.0
-            for j in range(4):
-                if at[j] is not None and (i < 0 or at[j][1] + offset[j] < first):
-                    i, first = j, at[j][1] + offset[j]
-            if i < 0:
-                break
+        while left > 1 and len(victims) < n:
+            i = eff.index(min(eff))  # C-level: the oldest of the four
             k = at[i][0]
-            at[i] = next(walks[i], None)
+            nxt = next(walks[i], None)
+            if nxt is None or (i == 0 and nxt[1] >= threshold):
+                at[i], eff[i] = None, inf  # walked out (or chain's order reached its shielded part)
+                left -= 1
+            else:
+                at[i], eff[i] = nxt, nxt[1] + offset[i]
             if k not in own and k not in held and can_evict(k):
                 victims.append(k)
+        if left == 1 and len(victims) < n:  # one order left (the common case): a plain walk
+            i = next(j for j in range(4) if at[j] is not None)
+            for k, last in chain((at[i],), walks[i]):
+                if i == 0 and last >= threshold:
+                    break
+                if k not in own and k not in held and can_evict(k):
+                    victims.append(k)
+                    if len(victims) == n:
+                        break
         return victims
 
     # ---- the EvictionPolicy contract -------------------------------------
