@@ -367,7 +367,7 @@ class HubChainPolicy(SegChainPolicy):
         self._follow(keys, A)
 
     def _renew(self, seg: OrderedDict, keys: list[bytes]) -> None:
-        """Keys of seg among keys used now (the tail lands older than the head)."""
+        """Mark seg's keys among `keys` used now (the tail lands older than the head)."""
         now, move = self._clock, seg.move_to_end
         for k in reversed(keys):
             if k in seg:
