@@ -287,3 +287,20 @@ def test_a_hub_head_stays_a_head_when_other_requests_hit_it():
     turn(m, system + keys(HUB, 2) + keys(99, 1))  # a continued branch hits the head again
     assert all(k in pol._heads for k in system) and pol._heads[system[0]] > before
     assert list(pol._heads)[-1] == system[0]  # renewed, the tail older than the head
+
+
+def test_renewing_keys_in_one_c_loop_ends_as_the_key_by_key_walk():
+    from collections import OrderedDict
+
+    from kvoffload.policies.hubchain import _renew, _renew_all
+
+    base = [bytes([i]) for i in range(8)]
+    renewed = [base[6], bytes([99]), base[1], base[4]]  # one key missing: the C loop stops part way
+    for ks in (renewed, [base[6], base[1], base[4]]):
+        walked = OrderedDict((k, 0) for k in base)
+        _renew(walked, ks, 5)
+        fast = OrderedDict((k, 0) for k in base)
+        if not _renew_all(fast, ks, 5):
+            _renew(fast, ks, 5)  # what the callers do: the same moves again
+        assert list(fast.items()) == list(walked.items())
+        assert list(walked)[-3:] == [base[4], base[1], base[6]]  # the head newest

@@ -64,6 +64,7 @@ _MID = [(_EDGE[b - 1] if b else 0.0) / 2 + _EDGE[b] / 2 for b in range(BINS)]
 A, B = 0, 1  # the classes: the rest, hub branches
 _HASH_BYTE = itemgetter(-5)  # a key's last hash byte (4 group bytes follow)
 _MAX_RATE = 6  # 1 in 64 at most
+_WEIGHT = [float(1 << k) for k in range(_MAX_RATE + 1)]  # an episode sampled at 1 in 2**k stands for 2**k
 _TABLES = [bytes(int(b % (1 << k) == 0) for b in range(256)) for k in range(_MAX_RATE + 1)]  # sampled bytes
 
 
@@ -146,14 +147,16 @@ class HubChainPolicy(SegChainPolicy):
         # in the sample of the lowest rate live (the samples nest): only those
         # are looked up (C-level calls).
         low, k = self._low, self._rate[cls]
+        self._seen[cls] += len(keys)
         hashed = bytes(map(_HASH_BYTE, keys)) if k else None
         if low:
-            hashed = hashed or bytes(map(_HASH_BYTE, keys))
-            cand = list(compress(keys, hashed.translate(_TABLES[low])))
+            sampled = hashed.translate(_TABLES[low])
+            if 1 not in sampled:  # (most calls: none followed, so none starts either)
+                return
+            cand = list(compress(keys, sampled))
         else:
             cand = keys
         ended = list(map(episodes.pop, cand, repeat(None)))
-        self._seen[cls] += len(keys)
         new = cand if k == low else list(compress(keys, hashed.translate(_TABLES[k])))
         if new:
             before = len(episodes)
@@ -168,7 +171,7 @@ class HubChainPolicy(SegChainPolicy):
                 d = now - (e >> 8)
                 ek = (e >> 1) & 127
                 live[ek] -= 1
-                dist[e & 1][bin_of[d] if d < last else BINS - 1] += float(1 << ek)
+                dist[e & 1][bin_of[d] if d < last else BINS - 1] += _WEIGHT[ek]
 
     def _split(self) -> None:
         """shift from the lives that serve most hits within the capacity."""
@@ -324,15 +327,19 @@ class HubChainPolicy(SegChainPolicy):
         if loaded is None:
             loaded = _Loaded()
             ctx.set_owned(self._loads, loaded)
-        held, more, mine = self._held, self._held_more, loaded.keys
-        new = set(keys).difference(mine)
-        mine |= new
-        for k in held.intersection(new):  # held by another running request too (rare)
-            more[k] = more.get(k, 1) + 1
+        held, new = self._held, set(keys)
+        if loaded.keys:
+            new -= loaded.keys
+            loaded.keys |= new
+        else:
+            loaded.keys = new  # (the common case: one load per request)
+        if not held.isdisjoint(new):
+            more = self._held_more
+            for k in held.intersection(new):  # held by another running request too
+                more[k] = more.get(k, 1) + 1
         held |= new
 
-    def _let_go(self, ctx: ReqContext | None) -> None:
-        loaded = ctx.get_owned(self._loads) if ctx is not None else None
+    def _let_go(self, loaded: _Loaded | None) -> None:
         if loaded is None or not loaded.keys:
             return
         held, more, mine = self._held, self._held_more, loaded.keys
@@ -347,39 +354,52 @@ class HubChainPolicy(SegChainPolicy):
         loaded.keys = set()
 
     def touch(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        self._let_go(ctx)  # its use is committed (vLLM 0.33: at the finish): the head is ranked now
-        hubbed, heads = self._hubbed, self._heads
+        # segchain's touch inlined (a hub branch's keys would go to chain's
+        # order there, only to move to the heads here)
+        self._picked = None
+        req = None
+        if ctx is not None:
+            self._let_go(ctx.get_owned(self._loads))  # its use is committed (vLLM 0.33: at the finish)
+            req = ctx.get_owned(self)
+        order, hubbed, heads, now = self._order, self._hubbed, self._heads, self._clock
+        if req is not None and req.hub and heads and _renew_all(heads, keys, now):
+            self._follow(keys, A)  # (the common case of a hub branch: its head is a head already)
+            return
         if hubbed and not hubbed.keys().isdisjoint(keys):
-            order, now = self._order, self._clock
             for k in keys:
                 if k in hubbed:  # its first hit: a continued branch, chain's from now on
                     del hubbed[k]
                     order[k] = now
         if heads and not heads.keys().isdisjoint(keys):
-            self._renew(heads, keys)
-        super().touch(keys, ctx)
-        req = ctx.get_owned(self) if ctx is not None else None
+            _renew(heads, keys, now)
+        loose = self._loose
         if req is not None and req.hub:  # a hub branch's head: a hub's path from now on
-            order, loose, now = self._order, self._loose, self._clock
             for k in reversed(keys):
                 if order.pop(k, None) is not None or loose.pop(k, None) is not None:
                     heads[k] = now
+        else:
+            if req is None:
+                self._clock = now = now + 1
+            move = order.move_to_end
+            for k in reversed(keys):
+                if k in order:
+                    order[k] = now
+                    move(k)
+                elif k in loose:  # its first hit: shielded from now on
+                    del loose[k]
+                    order[k] = now
         self._follow(keys, A)
 
-    def _renew(self, seg: OrderedDict, keys: list[bytes]) -> None:
-        """Mark seg's keys among `keys` used now (the tail lands older than the head)."""
-        now, move = self._clock, seg.move_to_end
-        for k in reversed(keys):
-            if k in seg:
-                seg[k] = now
-                move(k)
-
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        self._let_go(ctx)  # the request finished
-        super().refresh(keys, ctx)
-        for seg in (self._hubbed, self._heads):
-            if seg and not seg.keys().isdisjoint(keys):
-                self._renew(seg, keys)
+        self._picked = None
+        if ctx is not None:
+            self._let_go(ctx.get_owned(self._loads))  # the request finished
+        if ctx is None or ctx.get_owned(self) is None:
+            self._clock += 1
+        now = self._clock
+        for seg in (self._order, self._loose, self._hubbed, self._heads):
+            if seg and not seg.keys().isdisjoint(keys) and not _renew_all(seg, keys, now):
+                _renew(seg, keys, now)
 
     def remove(self, key: bytes) -> None:
         super().remove(key)
@@ -395,11 +415,12 @@ class HubChainPolicy(SegChainPolicy):
         for k in victims:
             if order.pop(k, None) is None and loose.pop(k, None) is None and hubbed.pop(k, None) is None:
                 del heads[k]
-        recent.update(zip(victims, repeat(None)))
+        for k in victims:  # (a loop: OrderedDict.update is slower)
+            recent[k] = None
         if branches:
             deque(map(branches.pop, victims, repeat(None)), 0)
-        while len(recent) > self.capacity:
-            recent.popitem(last=False)
+        if len(recent) > self.capacity:  # the oldest ghosts go, in one C loop
+            deque(map(recent.popitem, repeat(False, len(recent) - self.capacity)), 0)
         self._evicted_since += len(victims)
         if self._evicted_since >= max(1, self.capacity // 4):
             self._evicted_since = 0
@@ -410,3 +431,25 @@ class HubChainPolicy(SegChainPolicy):
 
     def __contains__(self, key: object) -> bool:
         return key in self._order or key in self._loose or key in self._hubbed or key in self._heads
+
+
+def _renew(seg: OrderedDict, keys: list[bytes], now: int) -> None:
+    """Mark seg's keys among `keys` used now (the tail lands older than the head)."""
+    move = seg.move_to_end
+    for k in reversed(keys):
+        if k in seg:
+            seg[k] = now
+            move(k)
+
+
+def _renew_all(seg: OrderedDict, keys: list[bytes], now: int) -> bool:
+    """_renew when seg holds every key, its moves in one C loop; False
+    (nothing to undo: _renew redoes the same moves, which end in the same
+    places) when one is missing."""
+    try:
+        deque(map(seg.move_to_end, reversed(keys)), 0)
+    except KeyError:
+        return False
+    for k in keys:  # (a loop: OrderedDict.update is slower)
+        seg[k] = now
+    return True
