@@ -268,17 +268,21 @@ class HubChainPolicy(SegChainPolicy):
         eff = [inf if a is None else a[1] + o for a, o in zip(at, offset)]  # each walk's next block, shifted
         left = 4 - at.count(None)
         victims: list[bytes] = []
-        while left > 1 and len(victims) < n:
+        take, need = victims.append, n
+        while left > 1 and need:
             i = eff.index(min(eff))  # C-level: the oldest of the four
             k = at[i][0]
             nxt = next(walks[i], None)
-            if nxt is None or (i == 0 and nxt[1] >= threshold):
-                at[i], eff[i] = None, inf  # walked out (or chain's order reached its shielded part)
+            if nxt is None or (not i and nxt[1] >= threshold):
+                at[i] = None  # walked out (or chain's order reached its shielded part)
+                eff[i] = inf
                 left -= 1
             else:
-                at[i], eff[i] = nxt, nxt[1] + offset[i]
+                at[i] = nxt
+                eff[i] = nxt[1] + offset[i]
             if k not in own and k not in held and can_evict(k):
-                victims.append(k)
+                take(k)
+                need -= 1
         if left == 1 and len(victims) < n:  # one order left (the common case): a plain walk
             i = next(j for j in range(4) if at[j] is not None)
             for k, last in chain((at[i],), walks[i]):
