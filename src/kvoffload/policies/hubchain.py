@@ -164,8 +164,8 @@ class HubChainPolicy(SegChainPolicy):
             added = len(episodes) - before  # not len(new): a key used twice in one call starts one episode
             self._started[cls] += added << k
             live[k] += added
-        ended = [e for e in ended if e is not None]
-        if ended:
+        if ended.count(None) < len(ended):  # (C-level: most calls end no episode)
+            ended = [e for e in ended if e is not None]
             dist, bin_of, last = self._dist, _BIN_OF, len(_BIN_OF) - 1
             for e in ended:  # (start << 8) | (rate exponent << 1) | class
                 d = now - (e >> 8)
@@ -252,14 +252,26 @@ class HubChainPolicy(SegChainPolicy):
             req.hub = n >= self.HUB
 
     def _pick(self, n: int, can_evict: Callable[[bytes], bool]) -> list[bytes]:
-        hubbed, held, heads = self._hubbed, self._held, self._heads
-        if not hubbed and not held and not heads:
+        if not self._hubbed and not self._held and not self._heads:
             return super()._pick(n, can_evict)
-        # Four orders, each walked from its oldest: chain's (stops at its first
-        # shielded block), loose, hub branches (last use counts `shift` older)
-        # and hub heads (HEAD_GAIN * shift newer). The oldest head goes first.
-        threshold, own, shift = self._threshold, self._own or (), self.shift
-        walks = [iter(self._order.items()), iter(self._loose.items()), iter(hubbed.items()), iter(heads.items())]
+        # can_evict is asked of the whole pick at once (C-level) when the
+        # manager offers it: if all may go, the walk that asks of each in
+        # turn makes the same choices.
+        fast = getattr(can_evict, "all", None)
+        if fast is not None:
+            victims = self._merge(n, None)
+            if len(victims) == n and fast(victims):
+                return victims
+        return self._merge(n, can_evict)
+
+    def _merge(self, n: int, can_evict: Callable[[bytes], bool] | None) -> list[bytes]:
+        """Up to n victims (can_evict None: all may go). Four orders, each
+        walked from its oldest: chain's (stops at its first shielded block),
+        loose, hub branches (last use counts `shift` older) and hub heads
+        (HEAD_GAIN * shift newer). The oldest head goes first."""
+        threshold, own, held, shift = self._threshold, self._own or (), self._held, self.shift
+        walks = [iter(self._order.items()), iter(self._loose.items()), iter(self._hubbed.items()),
+                 iter(self._heads.items())]
         offset = (0.0, 0.0, -shift, self.HEAD_GAIN * shift)
         at = [next(w, None) for w in walks]
         if at[0] is not None and at[0][1] >= threshold:
@@ -280,17 +292,18 @@ class HubChainPolicy(SegChainPolicy):
             else:
                 at[i] = nxt
                 eff[i] = nxt[1] + offset[i]
-            if k not in own and k not in held and can_evict(k):
+            if k not in own and k not in held and (can_evict is None or can_evict(k)):
                 take(k)
                 need -= 1
-        if left == 1 and len(victims) < n:  # one order left (the common case): a plain walk
+        if left == 1 and need:  # one order left (the common case): a plain walk
             i = next(j for j in range(4) if at[j] is not None)
             for k, last in chain((at[i],), walks[i]):
                 if i == 0 and last >= threshold:
                     break
-                if k not in own and k not in held and can_evict(k):
-                    victims.append(k)
-                    if len(victims) == n:
+                if k not in own and k not in held and (can_evict is None or can_evict(k)):
+                    take(k)
+                    need -= 1
+                    if not need:
                         break
         return victims
 
@@ -396,11 +409,17 @@ class HubChainPolicy(SegChainPolicy):
 
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         self._picked = None
+        req = None
         if ctx is not None:
             self._let_go(ctx.get_owned(self._loads))  # the request finished
-        if ctx is None or ctx.get_owned(self) is None:
+            req = ctx.get_owned(self)
+        if req is None:
             self._clock += 1
         now = self._clock
+        if req is not None:  # its stores are all in its class's order (unless some came back as ghosts)
+            seg = self._hubbed if req.hub else self._loose if req.loose else self._order
+            if _renew_all(seg, keys, now):
+                return  # (a key is in one order only: none of the others holds any)
         for seg in (self._order, self._loose, self._hubbed, self._heads):
             if seg and not seg.keys().isdisjoint(keys) and not _renew_all(seg, keys, now):
                 _renew(seg, keys, now)
