@@ -378,33 +378,37 @@ class HubChainPolicy(SegChainPolicy):
         if ctx is not None:
             self._let_go(ctx.get_owned(self._loads))  # its use is committed (vLLM 0.33: at the finish)
             req = ctx.get_owned(self)
-        order, hubbed, heads, now = self._order, self._hubbed, self._heads, self._clock
-        if req is not None and req.hub and heads and _renew_all(heads, keys, now):
-            self._follow(keys, A)  # (the common case of a hub branch: its head is a head already)
-            return
-        if hubbed and not hubbed.keys().isdisjoint(keys):
-            for k in keys:
-                if k in hubbed:  # its first hit: a continued branch, chain's from now on
-                    del hubbed[k]
-                    order[k] = now
-        if heads and not heads.keys().isdisjoint(keys):
-            _renew(heads, keys, now)
-        loose = self._loose
+        order, loose, hubbed, heads, now = self._order, self._loose, self._hubbed, self._heads, self._clock
         if req is not None and req.hub:  # a hub branch's head: a hub's path from now on
-            for k in reversed(keys):
-                if order.pop(k, None) is not None or loose.pop(k, None) is not None:
-                    heads[k] = now
+            if not (heads and _renew_all(heads, keys, now)):  # (the common case: a head already)
+                if hubbed and not hubbed.keys().isdisjoint(keys):
+                    for k in keys:
+                        if k in hubbed:  # its first hit: a continued branch
+                            del hubbed[k]
+                            order[k] = now
+                if heads and not heads.keys().isdisjoint(keys):
+                    _renew(heads, keys, now)
+                for k in reversed(keys):
+                    if order.pop(k, None) is not None or loose.pop(k, None) is not None:
+                        heads[k] = now
         else:
+            used = now
             if req is None:
-                self._clock = now = now + 1
-            move = order.move_to_end
-            for k in reversed(keys):
+                self._clock = used = now + 1
+            move, move_head = order.move_to_end, heads.move_to_end
+            for k in reversed(keys):  # each order's keys end newest, the head last
                 if k in order:
-                    order[k] = now
+                    order[k] = used
                     move(k)
                 elif k in loose:  # its first hit: shielded from now on
                     del loose[k]
-                    order[k] = now
+                    order[k] = used
+                elif k in heads:
+                    heads[k] = now
+                    move_head(k)
+                elif k in hubbed:  # its first hit: a continued branch, chain's from now on
+                    del hubbed[k]
+                    order[k] = used
         self._follow(keys, A)
 
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
