@@ -16,7 +16,8 @@ Every key's end-token position is set on the request context, as vLLM's
 scheduler does. Only manager calls run inside the timed loop; keys and
 contexts are built beforehand. The figure is the timed loop's thread CPU
 time per block (wall time is printed too; on a shared machine it mostly
-measures the neighbours). Best of --repeats.
+measures the neighbours). Best of --repeats, which go round the policies
+(each policy and its vLLM run, then the next), so policies share the noise too.
 
 vLLM runs in its own venv (--vllm-python), as a subprocess that imports it
 once and then runs the same driver (this file) on the same stream on
@@ -204,7 +205,7 @@ def main() -> None:
     ap.add_argument("--step-blocks", type=int, default=16, help="blocks per prepare_store call")
     ap.add_argument("--lag", type=int, default=4, help="stores in flight before the oldest completes")
     ap.add_argument("--policies", default="lru,arc")
-    ap.add_argument("--repeats", type=int, default=3, help="runs per side and policy; the best counts")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds of every policy (ours and vLLM's); the best counts")
     ap.add_argument("--vllm-python", help="python of a venv with vLLM 0.33 (omit to time ours only)")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--plot", help="also draw a bar chart (PNG) here")
@@ -232,15 +233,22 @@ def main() -> None:
                                     env={**__import__("os").environ, "VLLM_TARGET_DEVICE": "cpu"})
             hello = json.loads(proc.stdout.readline())
             print(f"vLLM {hello['vllm']} from {args.vllm_python}")
-        results = {}
-        for policy in args.policies.split(","):
-            ours, ref = [], []
-            for r in range(args.repeats):
+        policies = args.policies.split(",")
+        runs = {p: ([], []) for p in policies}  # policy -> (ours, vLLM's)
+        # Repeats go round the policies (lru, hubchain, lru, hubchain, ...), each
+        # beside its vLLM run: a ratio then compares runs that shared the same
+        # stretch of the machine's load, not one policy's quiet minute to another's busy one.
+        for r in range(args.repeats):
+            for policy in policies:
+                ours, ref = runs[policy]
                 ours.append(run_ours(policy, requests, args))
                 if proc is not None:
                     proc.stdin.write(vllm_policy(policy) + "\n")
                     proc.stdin.flush()
                     ref.append(json.loads(proc.stdout.readline()))
+        results = {}
+        for policy in policies:
+            ours, ref = runs[policy]
             best = min(ours, key=lambda x: x["us_per_block"])
             line = (f"{policy}: ours {best['us_per_block']:.2f} us/block "
                     f"(hit {best['hit_blocks'] / best['blocks']:.1%}, evicted {best['evicted_blocks']})")
