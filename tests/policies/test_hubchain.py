@@ -1,7 +1,9 @@
 """The `hubchain` policy: segchain, whose blocks stored right after a hub
 (a block many requests branched from) age faster by an adaptive shift."""
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
 
 from kvoffload.abstractions import ReqContext
 from kvoffload.policies.hubchain import HubChainPolicy
@@ -304,3 +306,41 @@ def test_renewing_keys_in_one_c_loop_ends_as_the_key_by_key_walk():
             _renew(fast, ks, 5)  # what the callers do: the same moves again
         assert list(fast.items()) == list(walked.items())
         assert list(walked)[-3:] == [base[4], base[1], base[6]]  # the head newest
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_pick_takes_blocks_by_shifted_last_use_ties_to_the_lower_order(data):
+    """_pick against its definition: every block of the four orders sorted
+    by last use + the order's offset (ties: the lower order, then the older
+    block), chain's order cut at its first shielded block, then the first n
+    that are not the store's own, not held and may be evicted."""
+    pol = HubChainPolicy(64)
+    pol.shift = data.draw(st.sampled_from([0.0, 1.0, 2.5, 7.0]))
+    offsets = (0.0, 0.0, -pol.shift, pol.HEAD_GAIN * pol.shift)
+    blocks = []  # (shifted use, order, place, key)
+    n_key = 0
+    for i, seg in enumerate(pol._orders()):
+        uses = sorted(data.draw(st.lists(st.integers(0, 12), max_size=8)))  # each order oldest first
+        for place, u in enumerate(uses):
+            k = bytes([n_key]) * 8
+            n_key += 1
+            seg[k] = u
+            blocks.append((u + offsets[i], i, place, k, u))
+    keys = [b[3] for b in blocks]
+    pol._threshold = data.draw(st.sampled_from([5, 9, float("inf")]))
+    pol._own = {k: 1 for k in data.draw(st.lists(st.sampled_from(keys), max_size=3))} if keys else None
+    pol._held = set(data.draw(st.lists(st.sampled_from(keys), max_size=3))) if keys else set()
+    stuck = set(data.draw(st.lists(st.sampled_from(keys), max_size=3))) if keys else set()
+
+    def can_evict(k):
+        return k not in stuck
+
+    can_evict.all = lambda ks: not stuck.intersection(ks)
+    n = data.draw(st.integers(1, 10))
+    cut = min((b[2] for b in blocks if b[1] == 0 and b[4] >= pol._threshold), default=None)
+    ranked = sorted(b for b in blocks if not (b[1] == 0 and cut is not None and b[2] >= cut))
+    want = [b[3] for b in ranked if b[3] not in (pol._own or ()) and b[3] not in pol._held and can_evict(b[3])][:n]
+    assert pol._pick(n, can_evict) == want
+    del can_evict.all  # a manager without the batch check: asked key by key
+    assert pol._pick(n, can_evict) == want

@@ -283,18 +283,27 @@ class HubChainPolicy(SegChainPolicy):
         take, need = victims.append, n
         while left > 1 and need:
             i = eff.index(min(eff))  # C-level: the oldest of the four
-            k = at[i][0]
-            nxt = next(walks[i], None)
-            if nxt is None or (not i and nxt[1] >= threshold):
-                at[i] = None  # walked out (or chain's order reached its shielded part)
-                eff[i] = inf
-                left -= 1
-            else:
-                at[i] = nxt
-                eff[i] = nxt[1] + offset[i]
-            if k not in own and k not in held and (can_evict is None or can_evict(k)):
-                take(k)
-                need -= 1
+            eff[i] = inf
+            bound = min(eff)  # the oldest of the others: walk i leads while older (a tie to the lower order)
+            j = eff.index(bound)
+            walk, off, k = walks[i], offset[i], at[i][0]
+            while True:  # a run of walk i (most picks take one or two runs)
+                if k not in own and k not in held and (can_evict is None or can_evict(k)):
+                    take(k)
+                    need -= 1
+                    if not need:
+                        return victims
+                nxt = next(walk, None)
+                if nxt is None or (not i and nxt[1] >= threshold):
+                    at[i] = None  # walked out (or chain's order reached its shielded part)
+                    left -= 1
+                    break
+                e = nxt[1] + off
+                if e < bound or (e == bound and i < j):
+                    k = nxt[0]
+                    continue
+                at[i], eff[i] = nxt, e
+                break
         if left == 1 and need:  # one order left (the common case): a plain walk
             i = next(j for j in range(4) if at[j] is not None)
             for k, last in chain((at[i],), walks[i]):
