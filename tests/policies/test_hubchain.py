@@ -318,7 +318,7 @@ def test_the_pick_takes_blocks_by_shifted_last_use_ties_to_the_lower_order(data)
     pol = HubChainPolicy(64)
     pol.shift = data.draw(st.sampled_from([0.0, 1.0, 2.5, 7.0]))
     offsets = (0.0, 0.0, -pol.shift, pol.HEAD_GAIN * pol.shift)
-    blocks = []  # (shifted use, order, place, key)
+    blocks = []  # (shifted use, order, place in it, key, use)
     n_key = 0
     for i, seg in enumerate(pol._orders()):
         uses = sorted(data.draw(st.lists(st.integers(0, 12), max_size=8)))  # each order oldest first

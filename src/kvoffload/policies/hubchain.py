@@ -389,7 +389,7 @@ class HubChainPolicy(SegChainPolicy):
             req = ctx.get_owned(self)
         order, loose, hubbed, heads, now = self._order, self._loose, self._hubbed, self._heads, self._clock
         if req is not None and req.hub:  # a hub branch's head: a hub's path from now on
-            if not (heads and _renew_all(heads, keys, now)):  # (the common case: a head already)
+            if not (heads and _renew_all(heads, keys, now)):  # (the common case: all heads already, one C loop)
                 if hubbed and not hubbed.keys().isdisjoint(keys):
                     for k in keys:
                         if k in hubbed:  # its first hit: a continued branch
@@ -405,7 +405,7 @@ class HubChainPolicy(SegChainPolicy):
             if req is None:
                 self._clock = used = now + 1
             move, move_head = order.move_to_end, heads.move_to_end
-            for k in reversed(keys):  # each order's keys end newest, the head last
+            for k in reversed(keys):  # each key to its order's newest end, the head last
                 if k in order:
                     order[k] = used
                     move(k)
