@@ -1,12 +1,14 @@
 """The `hubchain` policy: segchain, whose blocks stored right after a hub
 (a block many requests branched from) age faster by an adaptive shift."""
 
+from collections import OrderedDict
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
 from kvoffload.abstractions import ReqContext
-from kvoffload.policies.hubchain import HubChainPolicy
+from kvoffload.policies.hubchain import HubChainPolicy, _renew, _renew_all
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 
 from tests.policies.test_chain import keys, turn
@@ -292,10 +294,6 @@ def test_a_hub_head_stays_a_head_when_other_requests_hit_it():
 
 
 def test_renewing_keys_in_one_c_loop_ends_as_the_key_by_key_walk():
-    from collections import OrderedDict
-
-    from kvoffload.policies.hubchain import _renew, _renew_all
-
     base = [bytes([i]) for i in range(8)]
     renewed = [base[6], bytes([99]), base[1], base[4]]  # one key missing: the C loop stops part way
     for ks in (renewed, [base[6], base[1], base[4]]):

@@ -189,7 +189,7 @@ class HubChainPolicy(SegChainPolicy):
             del episodes[k]
             ek = (e >> 1) & 127
             self._live[ek] -= 1
-            self._dist[e & 1][BINS] += float(1 << ek)
+            self._dist[e & 1][BINS] += _WEIGHT[ek]
         curves = []
         for cls in (A, B):
             h = self._dist[cls]
