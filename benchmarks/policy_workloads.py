@@ -33,6 +33,9 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
   chat-judge6, scan-judge6, oneshot-judge6, systail-judge6, convo-judge6, multisys-judge6, tools-judge6
                   fresh seeds for hubchain's version 6, and a kind added with them (tools: agent loops behind
                   a few long tool schemas, many short turns close together)
+  chat-judge7, scan-judge7, oneshot-judge7, systail-judge7, convo-judge7, multisys-judge7, tools-judge7,
+  rag-judge7      fresh seeds for hubchain's version 7, and a kind added with them (rag: Zipf-popular
+                  documents as prefixes, a question after each, some conversations going on)
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
@@ -170,6 +173,18 @@ def tools(seed: int = 96, sessions: int = 1500, schemas: int = 3) -> list[Req]:
     return _interleave(rng, out, gap=15.0)
 
 
+def rag(seed: int = 117, sessions: int = 2500, docs: int = 300) -> list[Req]:
+    """Retrieval-augmented prompts: a document (4-40 blocks, Zipf-popular) as
+    the prefix, a short question after it; some go on as conversations."""
+    rng, ids = np.random.default_rng(seed), _Ids()
+    corpus = [ids.take(int(rng.integers(4, 41))) for _ in range(docs)]
+    weights = 1.0 / np.arange(1, docs + 1)
+    weights /= weights.sum()
+    out = [_goes_on(rng, ids, corpus[int(rng.choice(docs, p=weights))] + ids.take(int(rng.integers(1, 4))))
+           for _ in range(sessions)]
+    return _interleave(rng, out, gap=40.0)
+
+
 WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "agentic-all-s0", "agentic-all-s600",
              "chat-tune", "chat-judge", "mooncake", "scan", "oneshot", "systail",
              "scan-tune", "oneshot-tune", "convo-tune", "mooncake-first", "mooncake-second",
@@ -178,7 +193,9 @@ WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "ag
              "chat-judge4", "scan-judge4", "oneshot-judge4", "systail-judge4", "convo-judge4", "multisys-judge4",
              "chat-judge5", "scan-judge5", "oneshot-judge5", "systail-judge5", "convo-judge5", "multisys-judge5",
              "chat-judge6", "scan-judge6", "oneshot-judge6", "systail-judge6", "convo-judge6", "multisys-judge6",
-             "tools-judge6"]
+             "tools-judge6",
+             "chat-judge7", "scan-judge7", "oneshot-judge7", "systail-judge7", "convo-judge7", "multisys-judge7",
+             "tools-judge7", "rag-judge7"]
 
 
 def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
@@ -207,7 +224,10 @@ GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail,
              "multisys-judge5": lambda: multisys(85),
              "scan-judge6": lambda: scan(91, 1500, 400), "oneshot-judge6": lambda: oneshot(92, 800, 3),
              "systail-judge6": lambda: systail(93), "convo-judge6": lambda: convo(94),
-             "multisys-judge6": lambda: multisys(95), "tools-judge6": lambda: tools(96)}
+             "multisys-judge6": lambda: multisys(95), "tools-judge6": lambda: tools(96),
+             "scan-judge7": lambda: scan(111, 1500, 400), "oneshot-judge7": lambda: oneshot(112, 800, 3),
+             "systail-judge7": lambda: systail(113), "convo-judge7": lambda: convo(114),
+             "multisys-judge7": lambda: multisys(115), "tools-judge7": lambda: tools(116), "rag-judge7": rag}
 
 
 def replay_args(name: str, out_dir: Path) -> list[str]:
@@ -224,7 +244,7 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
         return [str(d), "--stagger", stagger or "60"]
     if name.startswith("chat-"):
         seeds = {"chat-tune": "0", "chat-judge": "1", "chat-judge2": "2", "chat-judge3": "3", "chat-judge4": "4",
-                 "chat-judge5": "5", "chat-judge6": "6"}
+                 "chat-judge5": "5", "chat-judge6": "6", "chat-judge7": "7"}
         return ["--sessions", "2000", "--seed", seeds[name]]
     if name == "mooncake":
         return [str(TRACES / "mooncake_conversation_trace.jsonl")]
