@@ -107,6 +107,41 @@ def test_the_split_keeps_the_class_whose_reuse_a_longer_life_catches():
     assert pol.shift == 0.0
 
 
+def test_the_split_aims_at_no_shift_while_the_sampled_reuses_show_it_losing_to_lru():
+    """The same curves as above (target > 88), with what this cache did to
+    the sampled reuses: LRU's life here is the bin of about 150 requests, so
+    hits at 200 are gains and misses at 20 losses. The target stands while
+    gains are at least GAIN_OVER_LRU times the losses; else shift aims at 0."""
+    from kvoffload.policies.hubchain import A, B, _bin
+    shifts = []
+    for hits_at_200, misses_at_20 in ((0.0, 0.0), (100.0, 40.0), (100.0, 60.0), (0.0, 1.0)):
+        pol = HubChainPolicy(1000)
+        pol.FOLLOW = 1.0
+        pol._clock = 1000
+        _feed(pol, A, [200], 3200)
+        _feed(pol, B, [0], 3200)
+        pol._hit_at[_bin(200)] = hits_at_200
+        pol._miss_at[_bin(20)] = misses_at_20
+        pol._split()
+        shifts.append(pol.shift)
+        assert pol._hit_at[_bin(200)] == hits_at_200 * pol.CHECK_MEMORY  # remembered, decayed
+    assert shifts[0] > 88 and shifts[1] == shifts[0]  # no evidence, or gains >= 2x losses: the model's target
+    assert shifts[2] == 0.0 and shifts[3] == 0.0  # losses over half the gains: none
+
+
+def test_a_hit_and_a_miss_record_the_reuse_on_their_side():
+    from kvoffload.policies.hubchain import A, B, _bin
+    pol = HubChainPolicy(4)  # every key sampled
+    k1, k2 = keys(1, 1) + keys(2, 1)
+    pol._clock = 10
+    pol._follow([k1, k2], B, False)  # first uses: no reuse yet
+    pol._clock = 40
+    pol._follow([k1], A, True)
+    pol._follow([k2], B, False)
+    assert pol._hit_at[_bin(30)] == 1.0 and sum(pol._hit_at) == 1.0
+    assert pol._miss_at[_bin(30)] == 1.0 and sum(pol._miss_at) == 1.0
+
+
 def test_reuse_distances_are_followed_on_a_sample_whatever_the_cache_keeps():
     """A class sampled at 1 in 2**rate starts episodes on keys whose hash byte
     is a multiple of 2**rate, each weighted 2**rate; any later use of a key
@@ -119,15 +154,15 @@ def test_reuse_distances_are_followed_on_a_sample_whatever_the_cache_keeps():
     sampled = [bytes([0] * 7 + [8 * i]) + b"\0" * 4 for i in range(1, 4)]  # hash byte % 8 == 0
     other = bytes([0] * 7 + [3]) + b"\0" * 4
     pol._clock = 10
-    pol._follow(sampled + [other], B)
+    pol._follow(sampled + [other], B, False)
     assert set(pol._episodes) == set(sampled) and pol._started[B] == 3 * 8
     pol._clock = 42
-    pol._follow(sampled[:1] + [other], A)  # reused 32 requests later: a B episode ends, A ones start
+    pol._follow(sampled[:1] + [other], A, True)  # reused 32 requests later: a B episode ends, A ones start
     assert pol._dist[B][_bin(32)] == 8.0 and sum(pol._dist[B]) == 8.0
     assert set(pol._episodes) == set(sampled) | {other} and pol._started[A] == 2
     pol._rate = [3, 3]  # both 1 in 8 now: `other` is no longer sampled, its A episode still ends
     pol._clock = 50
-    pol._follow([other], B)
+    pol._follow([other], B, False)
     assert pol._dist[A][_bin(8)] == 1.0 and other not in pol._episodes
     # an episode no reuse ends within the horizon counts as never reused, with its weight
     pol._clock = 10**6

@@ -31,6 +31,14 @@ soon, and LRU wins. So:
   what ghosts cannot: when reuse comes later than the cache's lifetime
   (Mooncake at 1%: minutes between turns), keeping fewer conversations for
   longer pays, and only distances beyond the lifetime say so.
+- LRU check: the split's model counts reuses block by block at fixed
+  lives, and where that is wrong it shifts at a loss (`convo` at 1%: class
+  A is small, the age of its oldest block swings, and hub branches go well
+  before their modeled life). So the sampled reuses are also counted by
+  whether this cache hit or missed them, against LRU's life (the longest
+  both classes fit in at equal lives): a hit beyond it is a gain over LRU,
+  a miss within it a loss. The split's target stands only while gains are
+  at least GAIN_OVER_LRU times the losses; else shift aims at 0.
 - Hub: a block once `HUB` requests have branched right after it (their
   stores began there); the count lives while the block is resident.
 - Hub heads: the blocks a hub branch request hit (its head: a system prompt
@@ -107,6 +115,12 @@ class HubChainPolicy(SegChainPolicy):
     # mean against best(LRU, ARC): gain 1 -0.0003, 2 +0.0010, 4 +0.0019; on
     # the table's other rows 2 and 4 choose alike).
     HEAD_GAIN = 4.0
+    # The split's target stands while the sampled reuses this cache hit beyond
+    # LRU's life are at least this many times those it missed within it
+    # (_beats_lru); they are remembered with this decay per split. Tuned on
+    # the seen convo rows: 1x, or a memory of 0.8 per split, each failed one.
+    GAIN_OVER_LRU = 2.0
+    CHECK_MEMORY = 0.95
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
@@ -126,6 +140,10 @@ class HubChainPolicy(SegChainPolicy):
         self._live = [0] * (_MAX_RATE + 1)  # live episodes per rate exponent
         self._seen = [0, 0]  # keys used per class since the last split
         self._dist = ([0.0] * (BINS + 1), [0.0] * (BINS + 1))  # per class; the last bin: never reused
+        # The same reuses by whether this cache hit or missed them (decayed by
+        # CHECK_MEMORY per split): _beats_lru's evidence.
+        self._hit_at = [0.0] * BINS
+        self._miss_at = [0.0] * BINS
         self._started = [0.0, 0.0]  # episodes started per class since _since
         self._since = 0
         self._evicted_since = 0
@@ -137,10 +155,10 @@ class HubChainPolicy(SegChainPolicy):
 
     # ---- reuse distances ---------------------------------------------------
 
-    def _follow(self, keys: list[bytes], cls: int) -> None:
-        """A use of keys (stored, or hit): each ends the episode it was
-        followed in (a reuse at its distance) and, if sampled, starts one of
-        class cls, weighted by its class's sampling rate."""
+    def _follow(self, keys: list[bytes], cls: int, hit: bool) -> None:
+        """A use of keys (hit, or stored after a miss): each ends the episode
+        it was followed in (a reuse at its distance) and, if sampled, starts
+        one of class cls, weighted by its class's sampling rate."""
         episodes, now, live = self._episodes, self._clock, self._live
         # Every followed key ends its episode, sampled now or not, so one
         # started under another class or rate still ends. Followed keys are all
@@ -167,11 +185,14 @@ class HubChainPolicy(SegChainPolicy):
         if ended.count(None) < len(ended):  # (C-level: most calls end no episode)
             ended = [e for e in ended if e is not None]
             dist, bin_of, last = self._dist, _BIN_OF, len(_BIN_OF) - 1
+            met = self._hit_at if hit else self._miss_at
             for e in ended:  # (start << 8) | (rate exponent << 1) | class
                 d = now - (e >> 8)
                 ek = (e >> 1) & 127
                 live[ek] -= 1
-                dist[e & 1][bin_of[d] if d < last else BINS - 1] += _WEIGHT[ek]
+                b = bin_of[d] if d < last else BINS - 1
+                dist[e & 1][b] += _WEIGHT[ek]
+                met[b] += _WEIGHT[ek]
 
     def _split(self) -> None:
         """shift from the lives that serve most hits within the capacity."""
@@ -218,7 +239,12 @@ class HubChainPolicy(SegChainPolicy):
                 best, best_a, best_b = got, ba, jb
         if best >= 0:
             target = max(0.0, _EDGE[best_a] - (_EDGE[best_b] if best_b >= 0 else 0.0))
+            if target and not self._beats_lru(space_a, space_b):
+                target = 0.0
             self.shift += self.FOLLOW * (target - self.shift)
+        for met in (self._hit_at, self._miss_at):
+            for b in range(BINS):
+                met[b] *= self.CHECK_MEMORY
         for h in self._dist:  # forget slowly: follow the workload
             for b in range(BINS + 1):
                 h[b] *= 0.5
@@ -229,6 +255,19 @@ class HubChainPolicy(SegChainPolicy):
         self._rate = [min(_MAX_RATE, max(0, int(math.log2(max(1, n) / self.TARGET)))) for n in self._seen]
         self._seen = [0, 0]
         self._low = min(self._rate + [k for k, n in enumerate(self._live) if n])
+
+    def _beats_lru(self, space_a: list[float], space_b: list[float]) -> bool:
+        """Whether this cache did clearly better than LRU would have, judged
+        on the sampled reuses: LRU keeps every block for one life (the
+        longest both classes' space fits in the capacity), so a reuse we hit
+        beyond it is a gain and one we missed within it a loss. The split's
+        model can be wrong where it cannot see (`convo` at 1%: a small class
+        A whose oldest block's age swings evicts hub branches well before
+        their modeled life); this keeps the shift only while it pays."""
+        life = 0
+        while life + 1 < BINS and space_a[life + 1] + space_b[life + 1] <= self.capacity:
+            life += 1
+        return sum(self._hit_at[life + 1:]) >= self.GAIN_OVER_LRU * sum(self._miss_at[:life + 1])
 
     # ---- segchain's hooks ----------------------------------------------------
 
@@ -332,15 +371,15 @@ class HubChainPolicy(SegChainPolicy):
                 else:
                     hubbed[k] = now
             if again:
-                self._follow(again, A)
+                self._follow(again, A, False)
                 promoted = set(again)
                 keys = [k for k in keys if k not in promoted]
-            self._follow(keys, B)
+            self._follow(keys, B, False)
             return
         dest = self._loose if req is not None and req.loose else self._order
         for k in reversed(keys):
             dest[k] = now
-        self._follow(keys, A)
+        self._follow(keys, A, False)
 
     def access(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         """A running request loaded these (its head): no other request's
@@ -418,7 +457,7 @@ class HubChainPolicy(SegChainPolicy):
                 elif k in hubbed:  # its first hit: a continued branch, chain's from now on
                     del hubbed[k]
                     order[k] = used
-        self._follow(keys, A)
+        self._follow(keys, A, True)
 
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         self._picked = None
