@@ -118,7 +118,7 @@ class HubChainPolicy(SegChainPolicy):
     # The split's target stands while the sampled reuses this cache hit beyond
     # LRU's life are at least this many times those it missed within it
     # (_beats_lru); they are remembered with this decay per split. Tuned on
-    # the seen convo rows: 1x, or a memory of 0.8 per split, each failed one.
+    # the seen convo rows: 1x, or a memory of 0.8 per split, each failed some.
     GAIN_OVER_LRU = 2.0
     CHECK_MEMORY = 0.95
 
