@@ -150,11 +150,7 @@ def multisys(seed: int = 71, sessions: int = 3000, prompts: int = 8) -> list[Req
     conversations after them go on as in `convo` (most end after a turn)."""
     rng, ids = np.random.default_rng(seed), _Ids()
     systems = [ids.take(int(rng.integers(2, 21))) for _ in range(prompts)]
-    weights = 1.0 / np.arange(1, prompts + 1)
-    weights /= weights.sum()
-    out = [_goes_on(rng, ids, systems[int(rng.choice(prompts, p=weights))] + ids.take(int(rng.integers(1, 24))))
-           for _ in range(sessions)]
-    return _interleave(rng, out, gap=300.0)
+    return _after_popular(rng, ids, systems, sessions, (1, 24), gap=300.0)
 
 
 def tools(seed: int = 96, sessions: int = 1500, schemas: int = 3) -> list[Req]:
@@ -178,11 +174,18 @@ def rag(seed: int = 117, sessions: int = 2500, docs: int = 300) -> list[Req]:
     the prefix, a short question after it; some go on as conversations."""
     rng, ids = np.random.default_rng(seed), _Ids()
     corpus = [ids.take(int(rng.integers(4, 41))) for _ in range(docs)]
-    weights = 1.0 / np.arange(1, docs + 1)
+    return _after_popular(rng, ids, corpus, sessions, (1, 4), gap=40.0)
+
+
+def _after_popular(rng, ids: _Ids, prefixes: list[list[bytes]], sessions: int, tail: tuple[int, int],
+                   gap: float) -> list[Req]:
+    """Conversations after Zipf-popular prefixes (the r-th drawn with weight
+    1/r): each starts with one and `tail` new blocks, and goes on as in `convo`."""
+    weights = 1.0 / np.arange(1, len(prefixes) + 1)
     weights /= weights.sum()
-    out = [_goes_on(rng, ids, corpus[int(rng.choice(docs, p=weights))] + ids.take(int(rng.integers(1, 4))))
+    out = [_goes_on(rng, ids, prefixes[int(rng.choice(len(prefixes), p=weights))] + ids.take(int(rng.integers(*tail))))
            for _ in range(sessions)]
-    return _interleave(rng, out, gap=40.0)
+    return _interleave(rng, out, gap=gap)
 
 
 WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "agentic-all-s0", "agentic-all-s600",
