@@ -36,6 +36,8 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
   chat-judge7, scan-judge7, oneshot-judge7, systail-judge7, convo-judge7, multisys-judge7, tools-judge7,
   rag-judge7      fresh seeds for hubchain's version 7, and a kind added with them (rag: Zipf-popular
                   documents as prefixes, a question after each, some conversations going on)
+  chat-judge8, scan-judge8, oneshot-judge8, systail-judge8, convo-judge8, multisys-judge8, tools-judge8,
+  rag-judge8      fresh seeds for hubchain's version 8
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
@@ -198,7 +200,9 @@ WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "ag
              "chat-judge6", "scan-judge6", "oneshot-judge6", "systail-judge6", "convo-judge6", "multisys-judge6",
              "tools-judge6",
              "chat-judge7", "scan-judge7", "oneshot-judge7", "systail-judge7", "convo-judge7", "multisys-judge7",
-             "tools-judge7", "rag-judge7"]
+             "tools-judge7", "rag-judge7",
+             "chat-judge8", "scan-judge8", "oneshot-judge8", "systail-judge8", "convo-judge8", "multisys-judge8",
+             "tools-judge8", "rag-judge8"]
 
 
 def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
@@ -230,7 +234,11 @@ GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail,
              "multisys-judge6": lambda: multisys(95), "tools-judge6": lambda: tools(96),
              "scan-judge7": lambda: scan(111, 1500, 400), "oneshot-judge7": lambda: oneshot(112, 800, 3),
              "systail-judge7": lambda: systail(113), "convo-judge7": lambda: convo(114),
-             "multisys-judge7": lambda: multisys(115), "tools-judge7": lambda: tools(116), "rag-judge7": rag}
+             "multisys-judge7": lambda: multisys(115), "tools-judge7": lambda: tools(116), "rag-judge7": rag,
+             "scan-judge8": lambda: scan(121, 1500, 400), "oneshot-judge8": lambda: oneshot(122, 800, 3),
+             "systail-judge8": lambda: systail(123), "convo-judge8": lambda: convo(124),
+             "multisys-judge8": lambda: multisys(125), "tools-judge8": lambda: tools(126),
+             "rag-judge8": lambda: rag(127)}
 
 
 def replay_args(name: str, out_dir: Path) -> list[str]:
@@ -247,7 +255,7 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
         return [str(d), "--stagger", stagger or "60"]
     if name.startswith("chat-"):
         seeds = {"chat-tune": "0", "chat-judge": "1", "chat-judge2": "2", "chat-judge3": "3", "chat-judge4": "4",
-                 "chat-judge5": "5", "chat-judge6": "6", "chat-judge7": "7"}
+                 "chat-judge5": "5", "chat-judge6": "6", "chat-judge7": "7", "chat-judge8": "8"}
         return ["--sessions", "2000", "--seed", seeds[name]]
     if name == "mooncake":
         return [str(TRACES / "mooncake_conversation_trace.jsonl")]
