@@ -37,7 +37,9 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
   rag-judge7      fresh seeds for hubchain's version 7, and a kind added with them (rag: Zipf-popular
                   documents as prefixes, a question after each, some conversations going on)
   chat-judge8, scan-judge8, oneshot-judge8, systail-judge8, convo-judge8, multisys-judge8, tools-judge8,
-  rag-judge8      fresh seeds for hubchain's version 8
+  rag-judge8      fresh seeds for hubchain's version 8 (first used to judge version 7 again)
+  chat-judge9, scan-judge9, oneshot-judge9, systail-judge9, convo-judge9, multisys-judge9, tools-judge9,
+  rag-judge9      fresh seeds for hubchain's version 8
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
@@ -202,7 +204,9 @@ WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "ag
              "chat-judge7", "scan-judge7", "oneshot-judge7", "systail-judge7", "convo-judge7", "multisys-judge7",
              "tools-judge7", "rag-judge7",
              "chat-judge8", "scan-judge8", "oneshot-judge8", "systail-judge8", "convo-judge8", "multisys-judge8",
-             "tools-judge8", "rag-judge8"]
+             "tools-judge8", "rag-judge8",
+             "chat-judge9", "scan-judge9", "oneshot-judge9", "systail-judge9", "convo-judge9", "multisys-judge9",
+             "tools-judge9", "rag-judge9"]
 
 
 def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
@@ -238,7 +242,11 @@ GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail,
              "scan-judge8": lambda: scan(121, 1500, 400), "oneshot-judge8": lambda: oneshot(122, 800, 3),
              "systail-judge8": lambda: systail(123), "convo-judge8": lambda: convo(124),
              "multisys-judge8": lambda: multisys(125), "tools-judge8": lambda: tools(126),
-             "rag-judge8": lambda: rag(127)}
+             "rag-judge8": lambda: rag(127),
+             "scan-judge9": lambda: scan(131, 1500, 400), "oneshot-judge9": lambda: oneshot(132, 800, 3),
+             "systail-judge9": lambda: systail(133), "convo-judge9": lambda: convo(134),
+             "multisys-judge9": lambda: multisys(135), "tools-judge9": lambda: tools(136),
+             "rag-judge9": lambda: rag(137)}
 
 
 def replay_args(name: str, out_dir: Path) -> list[str]:
@@ -255,7 +263,7 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
         return [str(d), "--stagger", stagger or "60"]
     if name.startswith("chat-"):
         seeds = {"chat-tune": "0", "chat-judge": "1", "chat-judge2": "2", "chat-judge3": "3", "chat-judge4": "4",
-                 "chat-judge5": "5", "chat-judge6": "6", "chat-judge7": "7", "chat-judge8": "8"}
+                 "chat-judge5": "5", "chat-judge6": "6", "chat-judge7": "7", "chat-judge8": "8", "chat-judge9": "9"}
         return ["--sessions", "2000", "--seed", seeds[name]]
     if name == "mooncake":
         return [str(TRACES / "mooncake_conversation_trace.jsonl")]
