@@ -194,6 +194,13 @@ class HubChainMachine(ChainMachine):
         assert live == pol._live
         assert pol._low <= min(pol._rate) and all(n == 0 for n in live[:pol._low])
 
+    @invariant()
+    def arc_ghosts_are_bounded_and_not_resident(self):
+        pol, cap = self.m.policy, self.m.policy.capacity
+        assert len(pol._b1) <= cap and len(pol._b1) + len(pol._b2) <= 2 * cap
+        assert pol._b1.keys().isdisjoint(pol._b2) and 0.0 <= pol._p <= cap
+        assert not any(k in pol for k in pol._b1) and not any(k in pol for k in pol._b2)
+
 
 TestHubChainManager = HubChainMachine.TestCase
 TestHubChainManager.settings = TestChainManager.settings

@@ -29,7 +29,7 @@ def test_branches_off_a_block_go_to_the_hub_order_once_it_is_a_hub():
     assert pol._branches[system[-1]] == HUB
     turn(m, system + keys(HUB, 2) + keys(99, 1))  # its first hit: a continued branch
     assert not any(k in pol._hubbed for k in keys(HUB, 2)) and all(k in pol._order for k in keys(HUB, 2))
-    assert keys(99, 1)[0] in pol._order  # a continuation is no hub branch (its parent has one branch)
+    assert keys(99, 1)[0] in pol._loose  # a continuation is no hub branch (its parent has one branch): never hit yet
 
 
 def _hub_and_chain(shift: float) -> tuple[CPUOffloadingManager, list[bytes], list[bytes]]:
@@ -344,16 +344,20 @@ def test_renewing_keys_in_one_c_loop_ends_as_the_key_by_key_walk():
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_the_pick_takes_blocks_by_shifted_last_use_ties_to_the_lower_order(data):
-    """_pick against its definition: every block of the four orders sorted
-    by last use + the order's offset (ties: the lower order, then the older
-    block), chain's order cut at its first shielded block, then the first n
-    that are not the store's own, not held and may be evicted."""
+    """_pick against its definition: while the loose order holds more than p
+    blocks, its oldest evictable ones first, as many as it is over; then every
+    block of the four orders sorted by last use + the order's offset (ties:
+    loose, chain's, hub branches, heads, then the older block), chain's order
+    cut at its first shielded block; the first n that are not the store's
+    own, not held and may be evicted."""
     pol = HubChainPolicy(64)
     pol.shift = data.draw(st.sampled_from([0.0, 1.0, 2.5, 7.0]))
+    pol._p = data.draw(st.sampled_from([64.0, 0.0, 2.0, 5.5]))
+    orders = (pol._loose, pol._order, pol._hubbed, pol._heads)  # in the order ties go
     offsets = (0.0, 0.0, -pol.shift, pol.HEAD_GAIN * pol.shift)
     blocks = []  # (shifted use, order, place in it, key, use)
     n_key = 0
-    for i, seg in enumerate(pol._orders()):
+    for i, seg in enumerate(orders):
         uses = sorted(data.draw(st.lists(st.integers(0, 12), max_size=8)))  # each order oldest first
         for place, u in enumerate(uses):
             k = bytes([n_key]) * 8
@@ -369,11 +373,92 @@ def test_the_pick_takes_blocks_by_shifted_last_use_ties_to_the_lower_order(data)
     def can_evict(k):
         return k not in stuck
 
+    def may_go(k):
+        return k not in (pol._own or ()) and k not in pol._held and can_evict(k)
+
     can_evict.all = lambda ks: not stuck.intersection(ks)
     n = data.draw(st.integers(1, 10))
-    cut = min((b[2] for b in blocks if b[1] == 0 and b[4] >= pol._threshold), default=None)
-    ranked = sorted(b for b in blocks if not (b[1] == 0 and cut is not None and b[2] >= cut))
-    want = [b[3] for b in ranked if b[3] not in (pol._own or ()) and b[3] not in pol._held and can_evict(b[3])][:n]
+    over = len(pol._loose) - int(pol._p)
+    first = [k for k in pol._loose if may_go(k)][:min(n, over)] if over > 0 else []
+    cut = min((b[2] for b in blocks if b[1] == 1 and b[4] >= pol._threshold), default=None)
+    ranked = sorted(b for b in blocks if not (b[1] == 1 and cut is not None and b[2] >= cut))
+    want = first + [b[3] for b in ranked if may_go(b[3]) and b[3] not in first][:n - len(first)]
     assert pol._pick(n, can_evict) == want
     del can_evict.all  # a manager without the batch check: asked key by key
     assert pol._pick(n, can_evict) == want
+
+
+def _ghosts(pol: HubChainPolicy, b1: list[bytes], b2: list[bytes]) -> None:
+    for k in b1:
+        pol._b1[k] = None
+    for k in b2:
+        pol._b2[k] = None
+
+
+def test_a_first_miss_on_a_ghost_moves_the_loose_target_as_arc_does():
+    """ARC's rule, on a request's first miss only: a ghost of a loose block
+    (B1) raises p, a ghost of a block that was hit (B2) lowers it, by P_STEP
+    times the other list's size over its own (at least 1), within [0, c]."""
+    m = CPUOffloadingManager(256, "hubchain")
+    pol = m.policy
+    assert pol._p == 256.0  # LRU's split until a ghost says otherwise
+    _ghosts(pol, keys(1, 2), keys(2, 6))
+    turn(m, keys(2, 6)[3:])  # its first miss is a B2 ghost (the next two too: only the first counts)
+    assert pol._p == 256.0 - pol.P_STEP * 1.0  # |B1| / |B2| = 2/6 < 1
+    _ghosts(pol, [], keys(3, 4))  # B1 2 ghosts, B2 3 + 4
+    turn(m, keys(1, 1))
+    assert pol._p == 256.0  # raised by P_STEP * 7/2, up to the capacity
+    pol._p = 10.0
+    turn(m, keys(1, 2)[1:])
+    assert pol._p == 10.0 + pol.P_STEP * 7.0  # B1 holds one ghost now, B2 seven
+    turn(m, keys(6, 3))  # a miss on no ghost
+    assert pol._p == 10.0 + pol.P_STEP * 7.0
+
+
+def test_a_ghost_of_a_hit_block_stored_again_joins_the_chain_order_a_loose_ghost_stays_loose():
+    m = CPUOffloadingManager(64, "hubchain")
+    pol = m.policy
+    _ghosts(pol, keys(1, 2), keys(2, 2))
+    turn(m, keys(1, 2) + keys(2, 2) + keys(3, 2), step=6)
+    assert all(k in pol._loose for k in keys(1, 2) + keys(3, 2))  # new, or used once before: never hit
+    assert all(k in pol._order for k in keys(2, 2))  # a second use of a block that was hit (ARC: T2)
+    assert not pol._b1 and not pol._b2
+
+
+def test_the_loose_order_goes_first_while_it_holds_more_than_p():
+    m = CPUOffloadingManager(8, "hubchain")
+    pol = m.policy
+    turn(m, keys(1, 4))
+    turn(m, keys(1, 4))  # hit: chain's order now
+    turn(m, keys(2, 4))  # loose, newer
+    assert list(pol._order) == list(reversed(keys(1, 4))) and len(pol._loose) == 4
+    pol._p = 1.0
+    turn(m, keys(3, 3))  # room for 3: the loose order is 3 over p
+    assert all(k in pol._order for k in keys(1, 4))  # the older blocks that were hit stay
+    assert [k in pol._loose for k in keys(2, 4)] == [True, False, False, False]  # the tail first
+    pol._p = 8.0
+    turn(m, keys(4, 3))  # LRU's split again: the oldest go, whichever order
+    assert not any(k in pol._order for k in keys(1, 4)[1:]) and keys(2, 4)[0] in pol._loose
+
+
+def test_ghosts_are_trimmed_to_arcs_bounds():
+    """Each eviction trims the ghosts to |loose| + |B1| <= c and resident +
+    |B1| + |B2| <= 2c (the oldest go, B2's before B1's); a store only takes
+    ghosts away."""
+    m = CPUOffloadingManager(8, "hubchain")
+    pol = m.policy
+    drop = pol._drop
+    after = []
+
+    def drop_and_check(victims):
+        drop(victims)
+        after.append((len(pol._loose) + len(pol._b1), len(pol) + len(pol._b1) + len(pol._b2)))
+
+    pol._drop = drop_and_check
+    for c in range(1, 40):
+        turn(m, keys(c, 3))
+        if c % 4 == 0:
+            turn(m, keys(c, 3))  # some blocks are hit: B2 ghosts later
+        assert len(pol._b1) <= 8 and len(pol._b1) + len(pol._b2) <= 16
+    assert len(after) > 30 and all(loose_b1 <= 8 and all_ <= 16 for loose_b1, all_ in after)
+    assert pol._b1 and pol._b2
