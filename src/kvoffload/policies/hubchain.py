@@ -13,8 +13,9 @@ soon, and LRU wins. So:
   beside `segchain`'s chain and loose orders (same clock: requests). For
   eviction their last use counts `shift` older than it is; the oldest of
   the three heads goes first. With shift 0 (and p at the capacity, below)
-  this is `segchain` but for ties, which is LRU where no chain rule fires. A branch block's first hit, or a re-store of a
-  key evicted recently (ARC's ghost hit), puts it in the chain order.
+  this is `segchain` but for ties, which is LRU where no chain rule fires.
+  A branch block's first hit, or a re-store of a key evicted recently
+  (ARC's ghost hit), puts it in the chain order.
 - `shift` splits the cache between the two classes (branch blocks B, the
   rest A) the way that serves most hits, from their reuse distances
   (miss-ratio-curve partitioning, as in Talus or Cliffhanger): a sample of
