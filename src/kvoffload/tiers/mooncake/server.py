@@ -10,6 +10,7 @@ Python running this, or on PATH; $KVOFFLOAD_MOONCAKE_MASTER overrides).
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -20,6 +21,8 @@ import time
 from pathlib import Path
 
 from kvoffload.tiers.remote.server import free_port
+
+_log = logging.getLogger(__name__)
 
 
 def find_binary(name: str = "mooncake_master") -> str | None:
@@ -86,7 +89,24 @@ class LocalMooncake:
                 raise RuntimeError(f"{log[:-4]} did not start:\n{tail}")
             time.sleep(0.05)
 
-    def start(self, timeout_s: float = 30.0) -> LocalMooncake:
+    def start(self, timeout_s: float = 30.0, attempts: int = 3) -> LocalMooncake:
+        """Master, then the store node. A node sometimes fails to register
+        with a master that already accepts connections ("RPC call failed:
+        End of file", seen once in a CI run): then both start again, on the
+        same master ports."""
+        for attempt in range(1, attempts + 1):
+            try:
+                return self._start(timeout_s)
+            except RuntimeError as e:
+                if attempt == attempts:
+                    raise
+                _log.warning("mooncake start failed (attempt %d of %d), retrying: %s",
+                             attempt, attempts, str(e).splitlines()[0])
+                os.makedirs(self.dir, exist_ok=True)  # (close() removed it)
+                time.sleep(1.0)
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout_s: float) -> LocalMooncake:
         self.start_master(timeout_s)
         if self.store_bytes and self.node is None:
             node_bin = find_binary("mooncake_client")
