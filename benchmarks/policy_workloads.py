@@ -40,6 +40,8 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
   rag-judge8      fresh seeds for hubchain's version 8 (first used to judge version 7 again)
   chat-judge9, scan-judge9, oneshot-judge9, systail-judge9, convo-judge9, multisys-judge9, tools-judge9,
   rag-judge9      fresh seeds for hubchain's version 8
+  chat-judge10, scan-judge10, oneshot-judge10, systail-judge10, convo-judge10, multisys-judge10,
+  tools-judge10, rag-judge10   fresh seeds for hubchain's version 9
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
@@ -206,7 +208,9 @@ WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "ag
              "chat-judge8", "scan-judge8", "oneshot-judge8", "systail-judge8", "convo-judge8", "multisys-judge8",
              "tools-judge8", "rag-judge8",
              "chat-judge9", "scan-judge9", "oneshot-judge9", "systail-judge9", "convo-judge9", "multisys-judge9",
-             "tools-judge9", "rag-judge9"]
+             "tools-judge9", "rag-judge9",
+             "chat-judge10", "scan-judge10", "oneshot-judge10", "systail-judge10", "convo-judge10",
+             "multisys-judge10", "tools-judge10", "rag-judge10"]
 
 
 def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
@@ -246,7 +250,11 @@ GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail,
              "scan-judge9": lambda: scan(131, 1500, 400), "oneshot-judge9": lambda: oneshot(132, 800, 3),
              "systail-judge9": lambda: systail(133), "convo-judge9": lambda: convo(134),
              "multisys-judge9": lambda: multisys(135), "tools-judge9": lambda: tools(136),
-             "rag-judge9": lambda: rag(137)}
+             "rag-judge9": lambda: rag(137),
+             "scan-judge10": lambda: scan(141, 1500, 400), "oneshot-judge10": lambda: oneshot(142, 800, 3),
+             "systail-judge10": lambda: systail(143), "convo-judge10": lambda: convo(144),
+             "multisys-judge10": lambda: multisys(145), "tools-judge10": lambda: tools(146),
+             "rag-judge10": lambda: rag(147)}
 
 
 def replay_args(name: str, out_dir: Path) -> list[str]:
@@ -263,7 +271,8 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
         return [str(d), "--stagger", stagger or "60"]
     if name.startswith("chat-"):
         seeds = {"chat-tune": "0", "chat-judge": "1", "chat-judge2": "2", "chat-judge3": "3", "chat-judge4": "4",
-                 "chat-judge5": "5", "chat-judge6": "6", "chat-judge7": "7", "chat-judge8": "8", "chat-judge9": "9"}
+                 "chat-judge5": "5", "chat-judge6": "6", "chat-judge7": "7", "chat-judge8": "8", "chat-judge9": "9",
+                 "chat-judge10": "10"}
         return ["--sessions", "2000", "--seed", seeds[name]]
     if name == "mooncake":
         return [str(TRACES / "mooncake_conversation_trace.jsonl")]
