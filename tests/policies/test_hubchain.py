@@ -398,7 +398,8 @@ def _ghosts(pol: HubChainPolicy, b1: list[bytes], b2: list[bytes]) -> None:
 def test_a_first_miss_on_a_ghost_moves_the_loose_target_as_arc_does():
     """ARC's rule, on a request's first miss only: a ghost of a loose block
     (B1) raises p, a ghost of a block that was hit (B2) lowers it, by P_STEP
-    times the other list's size over its own (at least 1), within [0, c]."""
+    times the other list's size over its own (at least 1, at most
+    RATIO_MAX), within [0, c]."""
     m = CPUOffloadingManager(256, "hubchain")
     pol = m.policy
     assert pol._p == 256.0  # LRU's split until a ghost says otherwise
@@ -410,9 +411,22 @@ def test_a_first_miss_on_a_ghost_moves_the_loose_target_as_arc_does():
     assert pol._p == 256.0  # raised by P_STEP * 7/2, up to the capacity
     pol._p = 10.0
     turn(m, keys(1, 2)[1:])
-    assert pol._p == 10.0 + pol.P_STEP * 7.0  # B1 holds one ghost now, B2 seven
+    assert pol.RATIO_MAX == 4.0
+    assert pol._p == 10.0 + pol.P_STEP * 4.0  # B1 holds one ghost now, B2 seven: 7/1, capped at 4
     turn(m, keys(6, 3))  # a miss on no ghost
-    assert pol._p == 10.0 + pol.P_STEP * 7.0
+    assert pol._p == 10.0 + pol.P_STEP * 4.0
+
+
+def test_a_b2_ghost_among_many_b1_ghosts_lowers_p_by_at_most_ratio_max_steps():
+    """Uncapped, one B2 ghost beside a long B1 list moved p down by |B1|/|B2|
+    steps while a B1 ghost moved it up by one, so a low p held itself low."""
+    m = CPUOffloadingManager(256, "hubchain")
+    pol = m.policy
+    _ghosts(pol, keys(1, 100), keys(2, 1))
+    turn(m, keys(2, 1))
+    assert pol._p == 256.0 - pol.P_STEP * pol.RATIO_MAX  # 100/1, capped
+    turn(m, keys(1, 100)[50:])
+    assert pol._p == 256.0 - pol.P_STEP * pol.RATIO_MAX + pol.P_STEP  # up by one step: B2 is empty now
 
 
 def test_a_ghost_of_a_hit_block_stored_again_joins_the_chain_order_a_loose_ghost_stays_loose():
