@@ -25,6 +25,28 @@ def test_stores_cascade_to_storage_and_unpin_cpu(rig):
     assert r.cpu.get_stats().gauges["pinned_blocks"] == 0
 
 
+def test_a_cascade_is_not_a_load_from_cpu_nor_a_use_by_the_request(rig):
+    """Copying blocks down to storage reads them from CPU but serves nothing:
+    the CPU tier counts no load (it did, so vllm:kvoffload_loaded_blocks[cpu]
+    also counted every cascaded block, in whichever engine step polled the
+    copy), and the policy sees no load by the storing request (hubchain held
+    such keys as a running request's loaded head)."""
+    r = rig(policy="hubchain")
+    ctx = r.request()
+    keys = [key(i) for i in range(3)]
+    r.gpu_store(keys, ctx)
+    r.settle()  # the cascade landed; the request is still running
+    cpu, storage = r.mgr.get_stats().children  # (counts since the last get_stats)
+    assert storage.counters["cascaded_blocks"] == 3
+    assert cpu.counters["loaded_blocks"] == 0 and cpu.gauges["pinned_blocks"] == 0
+    assert not r.cpu.policy._held
+    other = r.request("s")  # a real load: counted, and held for its request
+    r.mgr.prepare_load(keys, other)
+    r.mgr.complete_load(keys, other)
+    assert r.mgr.get_stats().children[0].counters["loaded_blocks"] == 3
+    assert r.cpu.policy._held == set(keys)
+
+
 def test_cpu_miss_promotes_from_storage_bit_exact(rig):
     r = rig(cpu_chunks=4)
     ctx = r.request()

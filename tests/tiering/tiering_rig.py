@@ -31,9 +31,10 @@ def pattern(k: bytes) -> np.ndarray:
 class Rig:
     """CPU manager + host pool + storage tier, wired like the spec does."""
 
-    def __init__(self, tmp_path, cpu_chunks=4, storage_slots=64, events=False, tier_cls=StorageTier, **tier_kw):
+    def __init__(self, tmp_path, cpu_chunks=4, storage_slots=64, events=False, tier_cls=StorageTier, policy="lru",
+                 **tier_kw):
         self.pool = HostPool(cpu_chunks, CHUNK)
-        self.cpu = CPUOffloadingManager(cpu_chunks, enable_events=events)
+        self.cpu = CPUOffloadingManager(cpu_chunks, policy, enable_events=events)
         self.storage = tier_cls(str(tmp_path / "kv"), storage_slots * CHUNK, CHUNK, NS, enable_events=events)
         self.tier = Tier(self.storage, **tier_kw)
         self.mgr = TieringManager(self.cpu, [self.tier])

@@ -77,7 +77,7 @@ class JobTable:
                 if job.is_store:
                     t.manager.complete_store(keys, ctx, success=ok)
                     if current:
-                        primary.complete_load(keys, ctx)  # unpin the CPU copies
+                        primary.release(keys)  # unpin the CPU copies (no load: nothing was served)
                     t.in_flight -= len(keys)
                     if not ok:
                         t.count("failed_stores", len(keys))

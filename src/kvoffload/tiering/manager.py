@@ -206,20 +206,22 @@ class TieringManager(OffloadingManager):
         if st is not None and st.finished:
             self._maybe_finish(req_context, st)
 
-    def _pin_readable(self, keys: Collection[OffloadKey], ctx: ReqContext) -> list[OffloadKey]:
-        """Pin (prepare_load) the keys readable in CPU; returns them."""
+    def _pin_readable(self, keys: Collection[OffloadKey]) -> list[OffloadKey]:
+        """Pin (prepare_load) the keys readable in CPU for a copy down; returns
+        them. No request context: a copy down is not a load by the request
+        (its policy must not see a use, and `release` counts no load)."""
         slot_of = self.primary.slot_of
         cand = [k for k in dict.fromkeys(keys) if slot_of(k) is not None]
         if not cand:
             return cand
         try:  # one call in the common case; the CPU tier has no "readable" query
-            self.primary.prepare_load(cand, ctx)
+            self.primary.prepare_load(cand, None)
             return cand
         except BlockStateError:  # some still being written (nothing pinned): pin the others one by one
             pinned = []
             for k in cand:
                 try:
-                    self.primary.prepare_load([k], ctx)
+                    self.primary.prepare_load([k], None)
                     pinned.append(k)
                 except BlockStateError:
                     pass
@@ -233,7 +235,7 @@ class TieringManager(OffloadingManager):
         if t.in_flight + len(keys) > t.max_queue_depth:
             t.count("dropped_stores", len(keys))  # the tier is behind: shed, don't stall
             return
-        pinned = self._pin_readable(keys, ctx)
+        pinned = self._pin_readable(keys)
         if not pinned:
             return
         out = t.manager.prepare_store(pinned, ctx)
@@ -242,7 +244,7 @@ class TieringManager(OffloadingManager):
             t.count("dropped_stores", len(pinned))
         if len(to_store) < len(pinned):
             keep = set(to_store)
-            self.primary.complete_load([k for k in pinned if k not in keep], ctx)
+            self.primary.release([k for k in pinned if k not in keep])
         if not to_store:
             return
         slot_of = self.primary.slot_of
@@ -250,7 +252,7 @@ class TieringManager(OffloadingManager):
         job = self.jobs.new_id()
         if not t.worker.submit_store(job, src, out.store_spec):
             t.manager.complete_store(to_store, ctx, success=False)
-            self.primary.complete_load(to_store, ctx)
+            self.primary.release(to_store)
             t.count("dropped_stores", len(to_store))
             return
         self.jobs.add(job, i, True, to_store, ctx)

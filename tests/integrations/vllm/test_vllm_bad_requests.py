@@ -134,11 +134,10 @@ def test_prompt_is_still_served_from_the_cpu_tier(run):
     last = calls[10]
     assert metric(last, "vllm:prefix_cache_hits") == 0  # the fillers pushed it out of vLLM's cache
     assert metric(last, "vllm:external_prefix_cache_hits") == 8 * BLOCK
-    # Its 8 blocks came from our CPU tier. One CI rehearsal of the tiered engine
-    # (2026-12-04) counted 16 here, the 8 blocks loaded twice in this call; not
-    # explained yet, so this asserts the load, not that it happened once.
-    loaded = metric(last, "vllm:kvoffload_loaded_blocks[cpu]")
-    assert loaded >= 8 and loaded % 8 == 0
+    # Its 8 blocks came from our CPU tier, loaded once. (A CI rehearsal once
+    # counted 16 in the tiered engine: the CPU tier counted the copies down to
+    # storage as loads, and a filler's cascade landed in this call.)
+    assert metric(last, "vllm:kvoffload_loaded_blocks[cpu]") == 8
     assert last["tokens"] == calls[0]["tokens"]
 
 

@@ -231,6 +231,16 @@ class CPUOffloadingManager(OffloadingManager):
         self.policy.touch(prefix_order(keys, req_context), req_context)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
+        self._loaded += self._unpin(keys, "complete_load")
+
+    def release(self, keys: Collection[OffloadKey]) -> None:
+        """Unpin keys that prepare_load pinned for a copy to another tier (a
+        cascade): the same as complete_load, but no load is counted, since
+        nothing was served from this tier."""
+        self._unpin(keys, "release")
+
+    def _unpin(self, keys: Collection[OffloadKey], op: str) -> int:
+        """complete_load's and release's unpins; how many keys."""
         slot_of = self._slot_of
         big = len(keys) >= VECTOR_MIN and not self._more_pins
         try:
@@ -239,14 +249,14 @@ class CPUOffloadingManager(OffloadingManager):
             else:
                 slots = list(map(slot_of.__getitem__, keys))  # C-level, ~15% faster
         except (KeyError, TypeError):
-            raise self._not_held(keys, "complete_load") from None
+            raise self._not_held(keys, op) from None
         unpinned = unpin_all(self._state_np, self._mark, slots) if big else None
         if unpinned is None:
             if big:
                 slots = slots.tolist()
             unpinned = self._complete_each(keys, slots)
         self._num_pinned -= unpinned
-        self._loaded += len(slots)
+        return len(slots)
 
     def _complete_each(self, keys: Collection[OffloadKey], slots: list[int]) -> int:
         """complete_load's unpins key by key; how many slots became unpinned."""

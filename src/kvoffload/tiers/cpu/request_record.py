@@ -108,8 +108,9 @@ def finish_request(ctx: ReqContext, owner: object, policy) -> None:
     if low_retention(ctx):
         return
     if read_back:
-        # Reading back what this request stored (a cascade to a lower
-        # tier, a promotion) is an internal transfer, not a reuse.
+        # Reading back what this request stored (a promotion from a lower
+        # tier) is an internal transfer, not a reuse. (Copies down to a
+        # lower tier pin without a context: they are not recorded.)
         own = set(stored)
         reused = [k for k in reused if k not in own]
     if stored:  # sorted per batch already; batches may have landed out of order
