@@ -144,8 +144,8 @@ class HubChainPolicy(SegChainPolicy):
     P_STEP = 4.0
     # ARC's ratio of the ghost lists, capped: uncapped, a low p pinned itself
     # (a small loose order leaves room for a long B1, so each B2 ghost moved p
-    # down by |B1|/|B2| steps, up to 150 blocks, and B1 ghosts up by one):
-    # tools-judge8 at 5% kept p at 10-100 of 1,951 blocks and lost 0.0025 to
+    # down by |B1|/|B2| steps, up to 275 blocks, and B1 ghosts up by one):
+    # tools-judge8 at 5% kept p at 0-123 of 1,951 blocks and lost 0.0025 to
     # LRU. Version 9.
     RATIO_MAX = 4.0
 
