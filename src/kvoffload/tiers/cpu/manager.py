@@ -254,12 +254,12 @@ class CPUOffloadingManager(OffloadingManager):
         if unpinned is None:
             if big:
                 slots = slots.tolist()
-            unpinned = self._complete_each(keys, slots)
+            unpinned = self._complete_each(keys, slots, op)
         self._num_pinned -= unpinned
         return len(slots)
 
-    def _complete_each(self, keys: Collection[OffloadKey], slots: list[int]) -> int:
-        """complete_load's unpins key by key; how many slots became unpinned."""
+    def _complete_each(self, keys: Collection[OffloadKey], slots: list[int], op: str) -> int:
+        """_unpin's unpins key by key; how many slots became unpinned."""
         state, more = self._state, self._more_pins
         unpinned = 0
         for i, s in enumerate(slots):
@@ -270,7 +270,7 @@ class CPUOffloadingManager(OffloadingManager):
                 self._repin(slots[:i])  # undo: nothing changes on error
                 key = next(k for k in keys if self._slot_of[k] == s)
                 raise BlockStateError(
-                    f"{self.name}: complete_load of key {key!r} that has no load in flight "
+                    f"{self.name}: {op} of key {key!r} that has no load in flight "
                     f"(or is listed more often than it was loaded)"
                 )
             elif v == MAX_PINS and s in more:
