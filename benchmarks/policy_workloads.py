@@ -42,6 +42,8 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
   rag-judge9      fresh seeds for hubchain's version 8
   chat-judge10, scan-judge10, oneshot-judge10, systail-judge10, convo-judge10, multisys-judge10,
   tools-judge10, rag-judge10   fresh seeds for hubchain's version 9
+  chat-judge11, scan-judge11, oneshot-judge11, systail-judge11, convo-judge11, multisys-judge11,
+  tools-judge11, rag-judge11   fresh seeds for hubchain's version 10
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
@@ -210,7 +212,9 @@ WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "ag
              "chat-judge9", "scan-judge9", "oneshot-judge9", "systail-judge9", "convo-judge9", "multisys-judge9",
              "tools-judge9", "rag-judge9",
              "chat-judge10", "scan-judge10", "oneshot-judge10", "systail-judge10", "convo-judge10",
-             "multisys-judge10", "tools-judge10", "rag-judge10"]
+             "multisys-judge10", "tools-judge10", "rag-judge10",
+             "chat-judge11", "scan-judge11", "oneshot-judge11", "systail-judge11", "convo-judge11",
+             "multisys-judge11", "tools-judge11", "rag-judge11"]
 
 
 def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
@@ -254,7 +258,11 @@ GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail,
              "scan-judge10": lambda: scan(141, 1500, 400), "oneshot-judge10": lambda: oneshot(142, 800, 3),
              "systail-judge10": lambda: systail(143), "convo-judge10": lambda: convo(144),
              "multisys-judge10": lambda: multisys(145), "tools-judge10": lambda: tools(146),
-             "rag-judge10": lambda: rag(147)}
+             "rag-judge10": lambda: rag(147),
+             "scan-judge11": lambda: scan(151, 1500, 400), "oneshot-judge11": lambda: oneshot(152, 800, 3),
+             "systail-judge11": lambda: systail(153), "convo-judge11": lambda: convo(154),
+             "multisys-judge11": lambda: multisys(155), "tools-judge11": lambda: tools(156),
+             "rag-judge11": lambda: rag(157)}
 
 
 def replay_args(name: str, out_dir: Path) -> list[str]:
@@ -272,7 +280,7 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
     if name.startswith("chat-"):
         seeds = {"chat-tune": "0", "chat-judge": "1", "chat-judge2": "2", "chat-judge3": "3", "chat-judge4": "4",
                  "chat-judge5": "5", "chat-judge6": "6", "chat-judge7": "7", "chat-judge8": "8", "chat-judge9": "9",
-                 "chat-judge10": "10"}
+                 "chat-judge10": "10", "chat-judge11": "11"}
         return ["--sessions", "2000", "--seed", seeds[name]]
     if name == "mooncake":
         return [str(TRACES / "mooncake_conversation_trace.jsonl")]
