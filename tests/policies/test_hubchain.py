@@ -344,15 +344,18 @@ def test_renewing_keys_in_one_c_loop_ends_as_the_key_by_key_walk():
 @settings(max_examples=300, deadline=None)
 @given(st.data())
 def test_the_pick_takes_blocks_by_shifted_last_use_ties_to_the_lower_order(data):
-    """_pick against its definition: while the loose order holds more than p
-    blocks, its oldest evictable ones first, as many as it is over; then every
-    block of the four orders sorted by last use + the order's offset (ties:
-    loose, chain's, hub branches, heads, then the older block), chain's order
-    cut at its first shielded block; the first n that are not the store's
-    own, not held and may be evicted."""
+    """_pick against its definition: while the hub branch order holds more
+    than q blocks, its oldest evictable ones first, as many as it is over;
+    then the rest's pick, without those: while the loose order holds more
+    than p blocks, its oldest evictable ones first, as many as it is over;
+    then every block of the four orders sorted by last use + the order's
+    offset (ties: loose, chain's, hub branches, heads, then the older
+    block), chain's order cut at its first shielded block; the first n that
+    are not the store's own, not held and may be evicted."""
     pol = HubChainPolicy(64)
     pol.shift = data.draw(st.sampled_from([0.0, 1.0, 2.5, 7.0]))
     pol._p = data.draw(st.sampled_from([64.0, 0.0, 2.0, 5.5]))
+    pol._q = data.draw(st.sampled_from([64.0, 0.0, 1.0, 3.5]))
     orders = (pol._loose, pol._order, pol._hubbed, pol._heads)  # in the order ties go
     offsets = (0.0, 0.0, -pol.shift, pol.HEAD_GAIN * pol.shift)
     blocks = []  # (shifted use, order, place in it, key, use)
@@ -382,7 +385,10 @@ def test_the_pick_takes_blocks_by_shifted_last_use_ties_to_the_lower_order(data)
     first = [k for k in pol._loose if may_go(k)][:min(n, over)] if over > 0 else []
     cut = min((b[2] for b in blocks if b[1] == 1 and b[4] >= pol._threshold), default=None)
     ranked = sorted(b for b in blocks if not (b[1] == 1 and cut is not None and b[2] >= cut))
-    want = first + [b[3] for b in ranked if may_go(b[3]) and b[3] not in first][:n - len(first)]
+    rest = first + [b[3] for b in ranked if may_go(b[3]) and b[3] not in first][:n - len(first)]
+    over_q = len(pol._hubbed) - int(pol._q)
+    hub_first = [k for k in pol._hubbed if may_go(k)][:min(n, over_q)] if over_q > 0 else []
+    want = hub_first + [k for k in rest if k not in hub_first][:n - len(hub_first)]
     assert pol._pick(n, can_evict) == want
     del can_evict.all  # a manager without the batch check: asked key by key
     assert pol._pick(n, can_evict) == want
@@ -476,3 +482,80 @@ def test_ghosts_are_trimmed_to_arcs_bounds():
         assert len(pol._b1) <= 8 and len(pol._b1) + len(pol._b2) <= 16
     assert len(after) > 30 and all(loose_b1 <= 8 and all_ <= 16 for loose_b1, all_ in after)
     assert pol._b1 and pol._b2
+
+
+def _hub_branches(m: CPUOffloadingManager, first: int, n: int) -> list[bytes]:
+    """A hub (a system block), HUB - 1 first branches, then n hub branch
+    requests of one block each (keys(first + i, 1)); their keys."""
+    system = keys(0, 1)
+    turn(m, system)
+    for i in range(1, HUB):
+        turn(m, system + keys(1000 + i, 1))
+    branch = []
+    for i in range(n):
+        turn(m, system + keys(first + i, 1))
+        branch += keys(first + i, 1)
+    return branch
+
+
+def test_a_hub_branch_victim_never_hit_leaves_a_hub_ghost_and_a_store_takes_it_back():
+    m = CPUOffloadingManager(HUB + 3, "hubchain")  # the hub, its HUB - 1 first branches, 3 hub branches
+    pol = m.policy
+    branch = _hub_branches(m, 1, 3)
+    assert list(pol._hubbed) == branch and len(pol) == HUB + 3  # full
+    pol._q = 0.0  # the hub branch order goes first
+    out = m.prepare_store(keys(70, 2), None)
+    assert out.evicted_keys == branch[:2]
+    assert list(pol._hub_ghosts) == branch[:2]
+    assert not any(k in pol._b1 or k in pol._b2 for k in branch[:2])  # not ARC's ghosts: q's
+    turn(m, keys(0, 1) + branch[:2])  # both stored again: the first miss's ghost is learned from, both go
+    assert not any(k in pol._hub_ghosts for k in branch[:2])
+    assert pol._q == pol.P_STEP
+
+
+def test_hub_ghosts_are_at_most_the_capacity_oldest_go_first():
+    m = CPUOffloadingManager(16, "hubchain")
+    pol = m.policy
+    branch = _hub_branches(m, 1, 5)
+    pol._hub_ghosts.update((k, None) for k in keys(500, 15))  # 15 older ghosts
+    pol._drop(branch[:3])
+    assert len(pol._hub_ghosts) == 16
+    assert list(pol._hub_ghosts)[-3:] == branch[:3] and keys(500, 2)[0] not in pol._hub_ghosts
+
+
+def test_a_first_miss_on_a_hub_ghost_raises_q_on_a_b2_ghost_lowers_it_by_equal_steps():
+    """ARC's rule for the hub branch order against the blocks that were hit,
+    without the ratio: a request's first miss on a hub ghost raises q, one
+    on a B2 ghost lowers it (only while hub ghosts exist), one on a B1 ghost
+    leaves it; p moves on B1 and B2 ghosts as before."""
+    m = CPUOffloadingManager(256, "hubchain")
+    pol = m.policy
+    assert pol._q == 256.0
+    _ghosts(pol, keys(1, 2), keys(2, 6))
+    turn(m, keys(2, 6)[2:])  # no hub ghosts yet: q stays
+    assert pol._q == 256.0 and pol._p == 256.0 - pol.P_STEP
+    pol._hub_ghosts.update((k, None) for k in keys(3, 3))
+    turn(m, keys(2, 6)[:1])
+    assert pol._q == 256.0 - pol.P_STEP
+    p = pol._p
+    turn(m, keys(1, 2)[1:])  # a B1 ghost: p's business only
+    assert pol._q == 256.0 - pol.P_STEP and pol._p > p
+    p = pol._p
+    turn(m, keys(3, 3)[1:])  # a hub ghost (the next one too: only the first counts)
+    assert pol._q == 256.0 and pol._p == p
+    assert list(pol._hub_ghosts) == [keys(3, 3)[0]]
+    pol._q = 1.0
+    turn(m, keys(2, 6)[1:2])  # down to 0 at most
+    assert pol._q == 0.0
+
+
+def test_the_hub_branch_order_goes_first_while_it_holds_more_than_q():
+    m = CPUOffloadingManager(HUB + 4, "hubchain")  # the hub, its HUB - 1 first branches, then 5 hub branches
+    pol = m.policy
+    branch = _hub_branches(m, 1, 5)
+    assert len(pol) == HUB + 4 and list(pol._hubbed) == branch
+    pol._q = 3.0
+    out = m.prepare_store(keys(70, 3), None)  # room for 3: the hub branch order is 2 over q
+    assert out.evicted_keys[:2] == branch[:2]
+    assert branch[2] not in out.evicted_keys  # then the rest's pick: the oldest blocks
+    assert all(k in pol._hubbed for k in branch[2:])

@@ -63,6 +63,16 @@ soon, and LRU wins. So:
   evicted, a question used once after each) this is what ARC keeps. Ties
   between the orders go to the loose one: of one request's blocks stored
   in one step, its new tail goes before its second-use head.
+- Hub branches' own target q (version 10): the hub branch order is outside
+  p (where hub branches go on within a few requests, `tools`, ARC's T1
+  rule for them lost), but where they are mostly used once (`rag`: a
+  question after a popular document) they outlived the loose blocks. So
+  they have ARC's rule of their own against the blocks that were hit:
+  a never-hit hub branch victim leaves a ghost (at most c), a request's
+  first miss on one raises q, one on a B2 ghost lowers it (equal steps:
+  with ARC's ratio q pinned itself low on `tools`, as p did in version 8).
+  While the hub branch order holds more than q blocks, its oldest go
+  first. q starts at the capacity.
 - A running request's loaded head is held until it finishes (`access`).
 
 Everything else (a store never evicts its own request's keys, a cut store
@@ -160,6 +170,10 @@ class HubChainPolicy(SegChainPolicy):
         # B2 are ghosts of loose blocks and of blocks that were hit (chain's
         # order, heads), bounded as ARC bounds them.
         self._p = float(capacity)
+        # Hub branches' target q, and the ghosts of hub branch blocks evicted
+        # before their first hit (at most c): their first misses raise q.
+        self._q = float(capacity)
+        self._hub_ghosts: OrderedDict[bytes, None] = OrderedDict()
         self._b1: OrderedDict[bytes, None] = OrderedDict()
         self._b2: OrderedDict[bytes, None] = OrderedDict()
         self.shift = 0.0  # in requests (the clock's unit)
@@ -311,12 +325,23 @@ class HubChainPolicy(SegChainPolicy):
         """ARC's adaptation of p, on a request's first miss only (a deeper
         miss is worth nothing once a block before it is gone): a B1 ghost
         says the loose order was too short, a B2 ghost that it was too long.
-        (f stays 0: chain's regret ghosts are not kept.)"""
-        b1, b2, cap = self._b1, self._b2, self.RATIO_MAX
+        q the same way, by equal steps: a hub branch ghost says the hub
+        branch order was too short, a B2 ghost (while hub branch ghosts
+        exist) that it was too long. (f stays 0: chain's regret ghosts are
+        not kept.)"""
+        b1, b2, cap, step = self._b1, self._b2, self.RATIO_MAX, self.P_STEP
+        hub_ghosts = self._hub_ghosts
+        if hub_ghosts:
+            if first_miss in hub_ghosts:  # (in neither B1 nor B2)
+                del hub_ghosts[first_miss]
+                self._q = min(float(self.capacity), self._q + step)
+                return
+            if first_miss in b2:
+                self._q = max(0.0, self._q - step)
         if first_miss in b1:
-            self._p = min(float(self.capacity), self._p + self.P_STEP * min(cap, max(1.0, len(b2) / len(b1))))
+            self._p = min(float(self.capacity), self._p + step * min(cap, max(1.0, len(b2) / len(b1))))
         elif first_miss in b2:
-            self._p = max(0.0, self._p - self.P_STEP * min(cap, max(1.0, len(b1) / len(b2))))
+            self._p = max(0.0, self._p - step * min(cap, max(1.0, len(b1) / len(b2))))
 
     def _new_req(self, threshold: float) -> _HubReq:
         req = _HubReq(threshold)
@@ -342,6 +367,27 @@ class HubChainPolicy(SegChainPolicy):
         return self._merge(n, can_evict)
 
     def _merge(self, n: int, can_evict: Callable[[bytes], bool] | None) -> list[bytes]:
+        """Up to n victims (can_evict None: all may go). While the hub branch
+        order holds more than q blocks, its oldest go first, as many as it is
+        over; then the rest's pick (_merge_rest) gives the others."""
+        over = len(self._hubbed) - int(self._q)
+        if over <= 0:
+            return self._merge_rest(n, can_evict)
+        own, held = self._own or (), self._held
+        victims: list[bytes] = []
+        first = min(n, over)
+        for k in self._hubbed:
+            if k not in own and k not in held and (can_evict is None or can_evict(k)):
+                victims.append(k)
+                if len(victims) == first:
+                    break
+        if len(victims) < n:  # the rest's pick may name these again: ask for that many more
+            taken = set(victims)
+            more = self._merge_rest(n, can_evict)
+            victims += [k for k in more if k not in taken][:n - len(victims)]
+        return victims
+
+    def _merge_rest(self, n: int, can_evict: Callable[[bytes], bool] | None) -> list[bytes]:
         """Up to n victims (can_evict None: all may go). While the loose
         order holds more than p blocks, its oldest go first (ARC's REPLACE),
         as many as it is over. Then four orders, each walked from its oldest:
@@ -414,7 +460,9 @@ class HubChainPolicy(SegChainPolicy):
         self._picked = None  # (segchain's insert is not called)
         req = ctx.get_owned(self) if ctx is not None else None
         now = self._clock
-        b1, b2 = self._b1, self._b2
+        b1, b2, hub_ghosts = self._b1, self._b2, self._hub_ghosts
+        if hub_ghosts and not hub_ghosts.keys().isdisjoint(keys):  # stored again: no longer a ghost
+            deque(map(hub_ghosts.pop, keys, repeat(None)), 0)
         second = None  # B2 ghosts stored again: a second use of a block that was hit (ARC: to T2)
         if (b1 and not b1.keys().isdisjoint(keys)) or (b2 and not b2.keys().isdisjoint(keys)):
             second = set()
@@ -457,11 +505,12 @@ class HubChainPolicy(SegChainPolicy):
         self._follow(keys, A, False)
 
     def insert_cold(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        b1, b2 = self._b1, self._b2
-        if b1 or b2:  # stored again: no longer a ghost
+        b1, b2, hub_ghosts = self._b1, self._b2, self._hub_ghosts
+        if b1 or b2 or hub_ghosts:  # stored again: no longer a ghost
             for k in keys:
                 b1.pop(k, None)
                 b2.pop(k, None)
+                hub_ghosts.pop(k, None)
         super().insert_cold(keys, ctx)
 
     def access(self, keys: list[bytes], ctx: ReqContext | None) -> None:
@@ -570,6 +619,7 @@ class HubChainPolicy(SegChainPolicy):
     def _drop(self, victims: list[bytes]) -> None:
         order, loose, hubbed, heads = self._order, self._loose, self._hubbed, self._heads
         recent, branches, b1, b2 = self._recent, self._branches, self._b1, self._b2
+        hub_ghosts = self._hub_ghosts
         branch_ghosts = None
         for k in victims:
             if order.pop(k, None) is not None:
@@ -578,8 +628,10 @@ class HubChainPolicy(SegChainPolicy):
                 b1[k] = None
             elif hubbed.pop(k, None) is not None:
                 # Never hit, as a loose block: it takes room in B1 while B1 is
-                # trimmed below, then goes (a hub branch's ghost is `_recent`'s).
+                # trimmed below, then goes (a hub branch's ghosts are `_recent`'s
+                # and q's).
                 b1[k] = None
+                hub_ghosts[k] = None
                 if branch_ghosts is None:
                     branch_ghosts = []
                 branch_ghosts.append(k)
@@ -608,6 +660,9 @@ class HubChainPolicy(SegChainPolicy):
             deque(map(b1.popitem, repeat(False, min(over - from2, len(b1)))), 0)
         if branch_ghosts:
             deque(map(b1.pop, branch_ghosts, repeat(None)), 0)
+            over = len(hub_ghosts) - c
+            if over > 0:
+                deque(map(hub_ghosts.popitem, repeat(False, over)), 0)
 
     def __len__(self) -> int:
         return len(self._order) + len(self._loose) + len(self._hubbed) + len(self._heads)
