@@ -20,6 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvoffload.abstractions import ReqContext
 from kvoffload.keys import make_offload_key
+from kvoffload.policies.hubchain import HubChainPolicy
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 from kvoffload.tiers.cpu.slot_state import PENDING
 
@@ -46,10 +47,13 @@ class ChainMachine(RuleBasedStateMachine):
     @rule(start=st.integers(0, 11), length=st.integers(1, 12))
     def new_request(self, start, length):
         """A request reads KEYS[start:start+length] (its prefix, in order)."""
+        self.begin(KEYS[start:start + length])
+
+    def begin(self, own):
         if self.ctx is not None:
             self.m.on_request_finished(self.ctx)
-        self.ctx = ReqContext(f"r{start}-{length}")
-        self.own = KEYS[start:start + length]
+        self.ctx = ReqContext(f"r{KEYS.index(own[0])}-{len(own)}")
+        self.own = own
         for i, k in enumerate(self.own):
             self.ctx.set_offload_key_position(k, (i + 1) * 16)
         self.cut = False
@@ -201,6 +205,36 @@ class HubChainMachine(ChainMachine):
         assert pol._b1.keys().isdisjoint(pol._b2) and 0.0 <= pol._p <= cap
         assert not any(k in pol for k in pol._b1) and not any(k in pol for k in pol._b2)
 
+    @invariant()
+    def hub_ghosts_are_bounded_apart_and_not_resident(self):
+        pol, cap = self.m.policy, self.m.policy.capacity
+        assert len(pol._hub_ghosts) <= cap and 0.0 <= pol._q <= cap
+        assert pol._hub_ghosts.keys().isdisjoint(pol._b1) and pol._hub_ghosts.keys().isdisjoint(pol._b2)
+        assert not any(k in pol for k in pol._hub_ghosts)
+
 
 TestHubChainManager = HubChainMachine.TestCase
 TestHubChainManager.settings = TestChainManager.settings
+
+
+class SmallHubChainPolicy(HubChainPolicy):
+    HUB = 1  # every store after a resident block is a hub branch: their ghosts and q act within a few steps
+
+    def __init__(self, capacity):
+        super().__init__(capacity)
+        self._q = 1.0  # the hub branch order's oldest go first from the first eviction on
+
+
+class SmallHubChainMachine(HubChainMachine):
+    """`hubchain` where every branch is off a hub, so that hub branch blocks, their ghosts and q act."""
+    policy = "tests.policies.test_chain_stateful:SmallHubChainPolicy"
+
+    @rule(head=st.integers(1, 3), start=st.integers(4, 10), length=st.integers(1, 2))
+    def new_branch_request(self, head, start, length):
+        """A request that reads a shared head, then a branch of its own."""
+        self.begin(KEYS[:head] + KEYS[start:start + length])
+
+
+TestSmallHubChainManager = SmallHubChainMachine.TestCase
+TestSmallHubChainManager.settings = settings(max_examples=150, stateful_step_count=60, deadline=None,
+                                             suppress_health_check=[HealthCheck.too_slow])
