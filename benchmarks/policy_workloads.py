@@ -44,6 +44,8 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
   tools-judge10, rag-judge10   fresh seeds for hubchain's version 9
   chat-judge11, scan-judge11, oneshot-judge11, systail-judge11, convo-judge11, multisys-judge11,
   tools-judge11, rag-judge11   fresh seeds for hubchain's version 10
+  chat-judge12, scan-judge12, oneshot-judge12, systail-judge12, convo-judge12, multisys-judge12,
+  tools-judge12, rag-judge12   fresh seeds for hubchain's next version
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
@@ -214,7 +216,9 @@ WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "ag
              "chat-judge10", "scan-judge10", "oneshot-judge10", "systail-judge10", "convo-judge10",
              "multisys-judge10", "tools-judge10", "rag-judge10",
              "chat-judge11", "scan-judge11", "oneshot-judge11", "systail-judge11", "convo-judge11",
-             "multisys-judge11", "tools-judge11", "rag-judge11"]
+             "multisys-judge11", "tools-judge11", "rag-judge11",
+             "chat-judge12", "scan-judge12", "oneshot-judge12", "systail-judge12", "convo-judge12",
+             "multisys-judge12", "tools-judge12", "rag-judge12"]
 
 
 def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
@@ -262,7 +266,11 @@ GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail,
              "scan-judge11": lambda: scan(151, 1500, 400), "oneshot-judge11": lambda: oneshot(152, 800, 3),
              "systail-judge11": lambda: systail(153), "convo-judge11": lambda: convo(154),
              "multisys-judge11": lambda: multisys(155), "tools-judge11": lambda: tools(156),
-             "rag-judge11": lambda: rag(157)}
+             "rag-judge11": lambda: rag(157),
+             "scan-judge12": lambda: scan(161, 1500, 400), "oneshot-judge12": lambda: oneshot(162, 800, 3),
+             "systail-judge12": lambda: systail(163), "convo-judge12": lambda: convo(164),
+             "multisys-judge12": lambda: multisys(165), "tools-judge12": lambda: tools(166),
+             "rag-judge12": lambda: rag(167)}
 
 
 def replay_args(name: str, out_dir: Path) -> list[str]:
@@ -280,7 +288,7 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
     if name.startswith("chat-"):
         seeds = {"chat-tune": "0", "chat-judge": "1", "chat-judge2": "2", "chat-judge3": "3", "chat-judge4": "4",
                  "chat-judge5": "5", "chat-judge6": "6", "chat-judge7": "7", "chat-judge8": "8", "chat-judge9": "9",
-                 "chat-judge10": "10", "chat-judge11": "11"}
+                 "chat-judge10": "10", "chat-judge11": "11", "chat-judge12": "12"}
         return ["--sessions", "2000", "--seed", seeds[name]]
     if name == "mooncake":
         return [str(TRACES / "mooncake_conversation_trace.jsonl")]
