@@ -59,6 +59,7 @@ import sys
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -208,17 +209,11 @@ WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "ag
              "chat-judge6", "scan-judge6", "oneshot-judge6", "systail-judge6", "convo-judge6", "multisys-judge6",
              "tools-judge6",
              "chat-judge7", "scan-judge7", "oneshot-judge7", "systail-judge7", "convo-judge7", "multisys-judge7",
-             "tools-judge7", "rag-judge7",
-             "chat-judge8", "scan-judge8", "oneshot-judge8", "systail-judge8", "convo-judge8", "multisys-judge8",
-             "tools-judge8", "rag-judge8",
-             "chat-judge9", "scan-judge9", "oneshot-judge9", "systail-judge9", "convo-judge9", "multisys-judge9",
-             "tools-judge9", "rag-judge9",
-             "chat-judge10", "scan-judge10", "oneshot-judge10", "systail-judge10", "convo-judge10",
-             "multisys-judge10", "tools-judge10", "rag-judge10",
-             "chat-judge11", "scan-judge11", "oneshot-judge11", "systail-judge11", "convo-judge11",
-             "multisys-judge11", "tools-judge11", "rag-judge11",
-             "chat-judge12", "scan-judge12", "oneshot-judge12", "systail-judge12", "convo-judge12",
-             "multisys-judge12", "tools-judge12", "rag-judge12"]
+             "tools-judge7", "rag-judge7"]
+# From judge8 on, each judge set has every kind, with seeds base + 1 .. base + 7 (chat: the set's number).
+KINDS = ("chat", "scan", "oneshot", "systail", "convo", "multisys", "tools", "rag")
+JUDGE_SETS = {8: 120, 9: 130, 10: 140, 11: 150, 12: 160}  # set -> seed base
+WORKLOADS += [f"{kind}-judge{n}" for n in JUDGE_SETS for kind in KINDS]
 
 
 def write_jsonl(reqs: list[Req], path: Path, gap_ms: float = 100.0) -> None:
@@ -250,27 +245,18 @@ GENERATED = {"scan": scan, "oneshot": oneshot, "systail": systail,
              "multisys-judge6": lambda: multisys(95), "tools-judge6": lambda: tools(96),
              "scan-judge7": lambda: scan(111, 1500, 400), "oneshot-judge7": lambda: oneshot(112, 800, 3),
              "systail-judge7": lambda: systail(113), "convo-judge7": lambda: convo(114),
-             "multisys-judge7": lambda: multisys(115), "tools-judge7": lambda: tools(116), "rag-judge7": rag,
-             "scan-judge8": lambda: scan(121, 1500, 400), "oneshot-judge8": lambda: oneshot(122, 800, 3),
-             "systail-judge8": lambda: systail(123), "convo-judge8": lambda: convo(124),
-             "multisys-judge8": lambda: multisys(125), "tools-judge8": lambda: tools(126),
-             "rag-judge8": lambda: rag(127),
-             "scan-judge9": lambda: scan(131, 1500, 400), "oneshot-judge9": lambda: oneshot(132, 800, 3),
-             "systail-judge9": lambda: systail(133), "convo-judge9": lambda: convo(134),
-             "multisys-judge9": lambda: multisys(135), "tools-judge9": lambda: tools(136),
-             "rag-judge9": lambda: rag(137),
-             "scan-judge10": lambda: scan(141, 1500, 400), "oneshot-judge10": lambda: oneshot(142, 800, 3),
-             "systail-judge10": lambda: systail(143), "convo-judge10": lambda: convo(144),
-             "multisys-judge10": lambda: multisys(145), "tools-judge10": lambda: tools(146),
-             "rag-judge10": lambda: rag(147),
-             "scan-judge11": lambda: scan(151, 1500, 400), "oneshot-judge11": lambda: oneshot(152, 800, 3),
-             "systail-judge11": lambda: systail(153), "convo-judge11": lambda: convo(154),
-             "multisys-judge11": lambda: multisys(155), "tools-judge11": lambda: tools(156),
-             "rag-judge11": lambda: rag(157),
-             "scan-judge12": lambda: scan(161, 1500, 400), "oneshot-judge12": lambda: oneshot(162, 800, 3),
-             "systail-judge12": lambda: systail(163), "convo-judge12": lambda: convo(164),
-             "multisys-judge12": lambda: multisys(165), "tools-judge12": lambda: tools(166),
-             "rag-judge12": lambda: rag(167)}
+             "multisys-judge7": lambda: multisys(115), "tools-judge7": lambda: tools(116), "rag-judge7": rag}
+
+
+def _judge_set(base: int) -> dict[str, Callable[[], list[Req]]]:
+    """A judge set's generated rows by kind (chat is the replay's own generator)."""
+    return {"scan": lambda: scan(base + 1, 1500, 400), "oneshot": lambda: oneshot(base + 2, 800, 3),
+            "systail": lambda: systail(base + 3), "convo": lambda: convo(base + 4),
+            "multisys": lambda: multisys(base + 5), "tools": lambda: tools(base + 6), "rag": lambda: rag(base + 7)}
+
+
+GENERATED.update({f"{kind}-judge{n}": make
+                  for n, base in JUDGE_SETS.items() for kind, make in _judge_set(base).items()})
 
 
 def replay_args(name: str, out_dir: Path) -> list[str]:
@@ -287,8 +273,8 @@ def replay_args(name: str, out_dir: Path) -> list[str]:
         return [str(d), "--stagger", stagger or "60"]
     if name.startswith("chat-"):
         seeds = {"chat-tune": "0", "chat-judge": "1", "chat-judge2": "2", "chat-judge3": "3", "chat-judge4": "4",
-                 "chat-judge5": "5", "chat-judge6": "6", "chat-judge7": "7", "chat-judge8": "8", "chat-judge9": "9",
-                 "chat-judge10": "10", "chat-judge11": "11", "chat-judge12": "12"}
+                 "chat-judge5": "5", "chat-judge6": "6", "chat-judge7": "7"}
+        seeds.update((f"chat-judge{n}", str(n)) for n in JUDGE_SETS)
         return ["--sessions", "2000", "--seed", seeds[name]]
     if name == "mooncake":
         return [str(TRACES / "mooncake_conversation_trace.jsonl")]
