@@ -394,6 +394,12 @@ def test_the_pick_takes_blocks_by_shifted_last_use_ties_to_the_lower_order(data)
     assert pol._pick(n, can_evict) == want
 
 
+def _steady(m: CPUOffloadingManager) -> HubChainPolicy:
+    """The manager's policy with the warm-up off: one step of P_STEP from the first miss."""
+    m.policy.WARM_GAIN = 1.0
+    return m.policy
+
+
 def _ghosts(pol: HubChainPolicy, b1: list[bytes], b2: list[bytes]) -> None:
     for k in b1:
         pol._b1[k] = None
@@ -407,7 +413,7 @@ def test_a_first_miss_on_a_ghost_moves_the_loose_target_as_arc_does():
     times the other list's size over its own (at least 1, at most
     RATIO_MAX), within [0, c]."""
     m = CPUOffloadingManager(256, "hubchain")
-    pol = m.policy
+    pol = _steady(m)
     assert pol._p == 256.0  # LRU's split until a ghost says otherwise
     _ghosts(pol, keys(1, 2), keys(2, 6))
     turn(m, keys(2, 6)[3:])  # its first miss is a B2 ghost (the next two too: only the first counts)
@@ -427,12 +433,40 @@ def test_a_b2_ghost_among_many_b1_ghosts_lowers_p_by_at_most_ratio_max_steps():
     """Uncapped, one B2 ghost beside a long B1 list moved p down by |B1|/|B2|
     steps while a B1 ghost moved it up by one, so a low p held itself low."""
     m = CPUOffloadingManager(256, "hubchain")
-    pol = m.policy
+    pol = _steady(m)
     _ghosts(pol, keys(1, 100), keys(2, 1))
     turn(m, keys(2, 1))
     assert pol._p == 256.0 - pol.P_STEP * pol.RATIO_MAX  # 100/1, capped
     turn(m, keys(1, 100)[50:])
     assert pol._p == 256.0 - pol.P_STEP * pol.RATIO_MAX + pol.P_STEP  # up by one step: B2 is empty now
+
+
+def test_p_and_q_take_larger_steps_while_the_cache_has_seen_few_first_misses():
+    """The warm-up: a step is P_STEP * max(1, WARM_GAIN / (1 + n / WARM_MISSES))
+    at the n-th first miss (counted on every request's first miss, on a
+    ghost or not), so 4 steps at the start, 2 at the 1,000th, one from the
+    3,000th on."""
+    m = CPUOffloadingManager(4096, "hubchain")
+    pol = m.policy
+    assert (pol.WARM_GAIN, pol.WARM_MISSES, pol.P_STEP) == (4.0, 1000, 4.0)
+    pol._hub_ghosts.update((k, None) for k in keys(1, 3))
+    _ghosts(pol, [], keys(2, 8))
+    turn(m, keys(2, 8)[:1])  # the first first miss: a B2 ghost lowers p and q
+    warm = 4.0 * 4.0 / (1 + 1 / 1000)
+    assert pol._p == 4096.0 - warm and pol._q == 4096.0 - warm
+    for i in range(998):  # misses on no ghost count too
+        turn(m, keys(100 + i, 1))
+    assert pol._learned == 999
+    turn(m, keys(1, 3)[:1])  # the 1,000th: a hub ghost raises q by two steps
+    assert pol._q == 4096.0 - warm + 4.0 * 2.0
+    pol._learned = 2999
+    q = pol._q
+    turn(m, keys(1, 3)[1:2])  # the 3,000th: one step
+    assert pol._q == q + 4.0
+    pol._learned = 10**6
+    p = pol._p
+    turn(m, keys(2, 8)[1:2])  # long after: one step (B1 is empty: ratio 1)
+    assert pol._p == p - 4.0
 
 
 def test_a_ghost_of_a_hit_block_stored_again_joins_the_chain_order_a_loose_ghost_stays_loose():
@@ -500,7 +534,7 @@ def _hub_branches(m: CPUOffloadingManager, first: int, n: int) -> list[bytes]:
 
 def test_a_hub_branch_victim_never_hit_leaves_a_hub_ghost_and_a_store_takes_it_back():
     m = CPUOffloadingManager(HUB + 3, "hubchain")  # the hub, its HUB - 1 first branches, 3 hub branches
-    pol = m.policy
+    pol = _steady(m)
     branch = _hub_branches(m, 1, 3)
     assert list(pol._hubbed) == branch and len(pol) == HUB + 3  # full
     pol._q = 0.0  # the hub branch order goes first
@@ -529,7 +563,7 @@ def test_a_first_miss_on_a_hub_ghost_raises_q_on_a_b2_ghost_lowers_it_by_equal_s
     on a B2 ghost lowers it (only while hub ghosts exist), one on a B1 ghost
     leaves it; p moves on B1 and B2 ghosts as before."""
     m = CPUOffloadingManager(256, "hubchain")
-    pol = m.policy
+    pol = _steady(m)
     assert pol._q == 256.0
     _ghosts(pol, keys(1, 2), keys(2, 6))
     turn(m, keys(2, 6)[2:])  # no hub ghosts yet: q stays
