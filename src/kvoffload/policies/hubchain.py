@@ -73,6 +73,10 @@ soon, and LRU wins. So:
   with ARC's ratio q pinned itself low on `tools`, as p did in version 8).
   While the hub branch order holds more than q blocks, its oldest go
   first. q starts at the capacity.
+- A warm-up (version 11): p's and q's steps are WARM_GAIN times larger at
+  first, falling to one step over a few thousand first misses. Both start
+  at the capacity, a guess; where the workload wants them low (`rag`),
+  version 10 got there only halfway through the trace.
 - A running request's loaded head is held until it finishes (`access`).
 
 Everything else (a store never evicts its own request's keys, a cut store
