@@ -212,7 +212,7 @@ WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "ag
              "tools-judge7", "rag-judge7"]
 # From judge8 on, each judge set has every kind, with seeds base + 1 .. base + 7 (chat: the set's number).
 KINDS = ("chat", "scan", "oneshot", "systail", "convo", "multisys", "tools", "rag")
-JUDGE_SETS = {8: 120, 9: 130, 10: 140, 11: 150, 12: 160}  # set -> seed base
+JUDGE_SETS = {8: 120, 9: 130, 10: 140, 11: 150, 12: 160, 13: 170}  # set -> seed base
 WORKLOADS += [f"{kind}-judge{n}" for n in JUDGE_SETS for kind in KINDS]
 
 
