@@ -469,6 +469,24 @@ def test_p_and_q_take_larger_steps_while_the_cache_has_seen_few_first_misses():
     assert pol._p == p - 4.0
 
 
+def test_p_never_falls_below_its_floor_q_may_reach_0():
+    """A B2 first miss lowers p to P_FLOOR of the capacity at most (ARC's
+    ratio can pin p near 0, where chat rows lost to LRU); q has no floor."""
+    m = CPUOffloadingManager(256, "hubchain")
+    pol = _steady(m)
+    assert pol.P_FLOOR == 0.1
+    pol._p, pol._q = 27.0, 2.0
+    pol._hub_ghosts.update((k, None) for k in keys(3, 1))
+    _ghosts(pol, [], keys(2, 4))
+    turn(m, keys(2, 4)[:1])  # 27 - 4 would be 23
+    assert pol._p == 0.1 * 256 and pol._q == 0.0
+    turn(m, keys(2, 4)[1:2])
+    assert pol._p == 0.1 * 256
+    _ghosts(pol, keys(4, 1), [])
+    turn(m, keys(4, 1))  # a B1 ghost still raises it
+    assert pol._p > 0.1 * 256
+
+
 def test_a_ghost_of_a_hit_block_stored_again_joins_the_chain_order_a_loose_ghost_stays_loose():
     m = CPUOffloadingManager(64, "hubchain")
     pol = m.policy

@@ -77,6 +77,8 @@ soon, and LRU wins. So:
   first, falling to one step over a few thousand first misses. Both start
   at the capacity, a guess; where the workload wants them low (`rag`),
   version 10 got there only halfway through the trace.
+- p never falls below P_FLOOR of the capacity (version 12): ARC's ratio
+  can pin it near 0, where a chat row lost to LRU.
 - A running request's loaded head is held until it finishes (`access`).
 
 Everything else (a store never evicts its own request's keys, a cut store
@@ -172,6 +174,13 @@ class HubChainPolicy(SegChainPolicy):
     # broke none.
     WARM_GAIN = 4.0
     WARM_MISSES = 1000
+    # p stays at least this share of the capacity (version 12). ARC's ratio
+    # pins p near 0 where the loose order is small (B1 then holds up to c
+    # ghosts, B2 few): tools-judge8 in version 8, chat-judge11 in version 10
+    # (p held at 0 there 0.5750, at 0.05c 0.5784, at 0.1c 0.5791 like LRU).
+    # Where p near 0 is right (rag at 1%) the floor gives up part of the
+    # gain over ARC, not the lead.
+    P_FLOOR = 0.1
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
@@ -358,7 +367,7 @@ class HubChainPolicy(SegChainPolicy):
         if first_miss in b1:
             self._p = min(float(self.capacity), self._p + step * min(cap, max(1.0, len(b2) / len(b1))))
         elif first_miss in b2:
-            self._p = max(0.0, self._p - step * min(cap, max(1.0, len(b1) / len(b2))))
+            self._p = max(self.P_FLOOR * self.capacity, self._p - step * min(cap, max(1.0, len(b1) / len(b2))))
 
     def _new_req(self, threshold: float) -> _HubReq:
         req = _HubReq(threshold)
