@@ -45,7 +45,9 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
   chat-judge11, scan-judge11, oneshot-judge11, systail-judge11, convo-judge11, multisys-judge11,
   tools-judge11, rag-judge11   fresh seeds for hubchain's version 10
   chat-judge12, scan-judge12, oneshot-judge12, systail-judge12, convo-judge12, multisys-judge12,
-  tools-judge12, rag-judge12   fresh seeds for hubchain's next version
+  tools-judge12, rag-judge12   fresh seeds for hubchain's version 11
+  chat-judge13, scan-judge13, oneshot-judge13, systail-judge13, convo-judge13, multisys-judge13,
+  tools-judge13, rag-judge13   fresh seeds for hubchain's version 12
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
