@@ -611,3 +611,72 @@ def test_the_hub_branch_order_goes_first_while_it_holds_more_than_q():
     assert out.evicted_keys[:2] == branch[:2]
     assert branch[2] not in out.evicted_keys  # then the rest's pick: the oldest blocks
     assert all(k in pol._hubbed for k in branch[2:])
+
+
+def _shadow_case(ours: float, lru: float, misses_at_20: float) -> float:
+    """The curves above (the model's target > 88) with the shadow LRU's
+    evidence (uses only this cache hit, uses only the shadow hit) and the
+    model check's (hits at 200 against misses at 20): the shift after one split."""
+    from kvoffload.policies.hubchain import A, B, _bin
+    pol = HubChainPolicy(1000)
+    pol.FOLLOW = 1.0
+    pol._clock = 1000
+    _feed(pol, A, [200], 3200)
+    _feed(pol, B, [0], 3200)
+    pol._hit_at[_bin(200)] = 100.0
+    pol._miss_at[_bin(20)] = misses_at_20
+    pol._sim_ours, pol._sim_lru = ours, lru
+    pol._split()
+    return pol.shift
+
+
+def test_the_shadow_lru_decides_the_split_where_its_evidence_is_significant():
+    """Where the uses the cache and the shadow LRU disagree on lean one way by
+    more than SIM_Z standard deviations of a sign test, that decides the
+    gate; else the model check does (gains at least GAIN_OVER_LRU times the
+    losses)."""
+    passes, fails = 40.0, 60.0  # the model check's verdict: 100 >= 2 * 40, 100 < 2 * 60
+    assert _shadow_case(0.0, 0.0, passes) > 88 and _shadow_case(0.0, 0.0, fails) == 0.0
+    assert _shadow_case(10.0, 40.0, passes) == 0.0  # LRU ahead by 30 > 2 * sqrt(50): no shift
+    assert _shadow_case(40.0, 10.0, fails) > 88  # the cache ahead: the target stands
+    assert _shadow_case(10.0, 20.0, passes) > 88  # 10 < 2 * sqrt(30): the model decides
+    assert _shadow_case(20.0, 10.0, fails) == 0.0
+
+
+def test_the_shadow_lru_counts_the_uses_it_and_the_cache_disagree_on_while_shift_is_on():
+    from kvoffload.policies.hubchain import A, B
+    pol = HubChainPolicy(8)  # the shadow holds every key, 8 of them
+    assert pol._sim_rate == 0
+    a, b = keys(1, 3), keys(2, 3)
+    pol._follow(a, B, False)  # stored after a miss: new to the shadow too
+    pol._follow(a, A, True)  # hit by both: no count either way
+    pol._follow(b, A, True)  # hit by the cache only (shift 0: not counted)
+    assert pol._sim_ours == 0.0 and pol._sim_lru == 0.0
+    pol.shift = pol.SIM_ON
+    pol._follow(b, A, False)  # missed by the cache, hit by the shadow
+    pol._follow(keys(3, 2), A, True)  # hit by the cache, new to the shadow
+    assert pol._sim_lru == 3.0 and pol._sim_ours == 2.0
+    assert list(pol._sim) == a[::-1] + b[::-1] + keys(3, 2)[::-1]  # oldest first; each call's head newest
+    pol._follow(keys(3, 2), A, False)  # missed by the cache, hit by the shadow
+    assert pol._sim_lru == 5.0
+
+
+def test_the_shadow_lru_samples_keys_by_hash_and_shrinks_its_capacity_alike():
+    """At 2**s times SIM_BLOCKS blocks, 1 key in 2**s (hash byte a multiple
+    of 2**s) enters a shadow of capacity/2**s keys (SHARDS)."""
+    pol = HubChainPolicy(8 * HubChainPolicy.SIM_BLOCKS)
+    assert pol._sim_rate == 3
+    ks = keys(1, 256)  # hash bytes 0..255
+    pol._follow(ks, 0, False)
+    assert sorted(pol._sim) == sorted(ks[::8])
+    for c in range(2, 80):  # 78 * 32 sampled keys: more than the shadow holds
+        pol._follow(keys(c, 256), 0, False)
+    assert len(pol._sim) == pol.capacity >> 3 == HubChainPolicy.SIM_BLOCKS
+
+
+def test_the_shadow_lru_evidence_decays_at_every_split():
+    pol = HubChainPolicy(8)
+    pol.insert(keys(1, 8), None)
+    pol._sim_ours, pol._sim_lru = 10.0, 20.0
+    assert pol.evict(2, lambda k: True) is not None  # a quarter of the capacity evicted: a split
+    assert pol._sim_ours == 10.0 * pol.CHECK_MEMORY and pol._sim_lru == 20.0 * pol.CHECK_MEMORY
