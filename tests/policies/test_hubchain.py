@@ -680,3 +680,12 @@ def test_the_shadow_lru_evidence_decays_at_every_split():
     pol._sim_ours, pol._sim_lru = 10.0, 20.0
     assert pol.evict(2, lambda k: True) is not None  # a quarter of the capacity evicted: a split
     assert pol._sim_ours == 10.0 * pol.CHECK_MEMORY and pol._sim_lru == 20.0 * pol.CHECK_MEMORY
+
+
+def test_hash_bytes_are_each_keys_own_with_one_length_or_mixed():
+    from kvoffload.policies.hubchain import _HASH_BYTE, _hash_bytes
+    same = keys(1, 40)
+    assert _hash_bytes(same) == bytes(map(_HASH_BYTE, same)) == bytes(range(40))
+    mixed = [b"\x07" * 12, b"\x09" * 8, b"\x05" * 10]  # lengths 12, 8, 10 (not 3 x 12): key by key
+    assert _hash_bytes(mixed) == b"\x07\x09\x05"
+    assert _hash_bytes([]) == b""

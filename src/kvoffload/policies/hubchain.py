@@ -120,6 +120,20 @@ _WEIGHT = [float(1 << k) for k in range(_MAX_RATE + 1)]  # an episode sampled at
 _TABLES = [bytes(int(b % (1 << k) == 0) for b in range(256)) for k in range(9)]  # bytes sampled at 1 in 2**k
 
 
+def _hash_bytes(keys: list[bytes]) -> bytes:
+    """Each key's hash byte (_HASH_BYTE): sliced from one joined buffer where
+    all keys have one length (vLLM's keys do; a mixed batch whose lengths
+    happen to add up samples other bytes, which only moves the sample), else
+    read key by key."""
+    if not keys:
+        return b""
+    size = len(keys[0])
+    joined = b"".join(keys)
+    if len(joined) == size * len(keys):
+        return joined[size - 5::size]
+    return bytes(map(_HASH_BYTE, keys))
+
+
 def _bin(d: float) -> int:
     return min(BINS - 1, int(4 * math.log2(d))) if d > 1.0 else 0
 
@@ -261,7 +275,7 @@ class HubChainPolicy(SegChainPolicy):
         # are looked up (C-level calls).
         low, k, s = self._low, self._rate[cls], self._sim_rate
         self._seen[cls] += len(keys)
-        hashed = bytes(map(_HASH_BYTE, keys)) if k or s else None
+        hashed = _hash_bytes(keys) if k or s else None
         if not s:
             if keys:
                 self._shadow(keys, hit)
