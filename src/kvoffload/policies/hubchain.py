@@ -391,13 +391,14 @@ class HubChainPolicy(SegChainPolicy):
         self._low = min(self._rate + [k for k, n in enumerate(self._live) if n])
 
     def _beats_lru(self, space_a: list[float], space_b: list[float]) -> bool:
-        """Whether this cache did clearly better than LRU would have, judged
-        on the sampled reuses: LRU keeps every block for one life (the
-        longest both classes' space fits in the capacity), so a reuse we hit
-        beyond it is a gain and one we missed within it a loss. The split's
-        model can be wrong where it cannot see (`convo` at 1%: a small class
-        A whose oldest block's age swings evicts hub branches well before
-        their modeled life); this keeps the shift only while it pays."""
+        """Whether the shift pays against LRU. The shadow LRU decides where
+        the uses it and this cache disagreed on (while the shift was on) lean
+        one way by SIM_Z standard deviations. Else the sampled reuses do:
+        LRU keeps every block for one life (the longest both classes' space
+        fits in the capacity), so a reuse we hit beyond it is a gain and one
+        we missed within it a loss. The split's model can be wrong where it
+        cannot see (`convo` at 1%: a small class A whose oldest block's age
+        swings evicts hub branches well before their modeled life)."""
         ours, lru = self._sim_ours, self._sim_lru
         margin = self.SIM_Z * math.sqrt(ours + lru)  # a sign test on the uses they disagree on
         if lru - ours > margin:
