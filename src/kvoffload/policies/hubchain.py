@@ -179,9 +179,10 @@ class HubChainPolicy(SegChainPolicy):
     # the seen convo rows: 1x, or a memory of 0.8 per split, each failed some.
     GAIN_OVER_LRU = 2.0
     CHECK_MEMORY = 0.95
-    # The shadow LRU holds about SIM_BLOCKS keys (all of them below twice that
-    # capacity); its verdict needs SIM_Z standard deviations; it counts while
-    # shift is at least SIM_ON requests. Set before any run (version 13), not tuned.
+    # The shadow LRU holds about SIM_BLOCKS keys (below twice that capacity,
+    # every key: it is then a full LRU); its verdict needs SIM_Z standard
+    # deviations; it counts while shift is at least SIM_ON requests. Set
+    # before any run (version 13), not tuned.
     SIM_BLOCKS = 2048
     SIM_Z = 2.0
     SIM_ON = 1.0
