@@ -117,7 +117,8 @@ A, B = 0, 1  # the classes: the rest, hub branches
 _HASH_BYTE = itemgetter(-5)  # a key's last hash byte (4 group bytes follow)
 _MAX_RATE = 6  # 1 in 64 at most
 _WEIGHT = [float(1 << k) for k in range(_MAX_RATE + 1)]  # an episode sampled at 1 in 2**k stands for 2**k
-_TABLES = [bytes(int(b % (1 << k) == 0) for b in range(256)) for k in range(9)]  # bytes sampled at 1 in 2**k
+_MAX_SIM_RATE = 8  # the shadow LRU samples 1 in 256 keys at most (one hash byte)
+_TABLES = [bytes(int(b % (1 << k) == 0) for b in range(256)) for k in range(_MAX_SIM_RATE + 1)]  # 1 in 2**k
 
 
 def _hash_bytes(keys: list[bytes]) -> bytes:
@@ -250,7 +251,7 @@ class HubChainPolicy(SegChainPolicy):
         self._miss_at = [0.0] * BINS
         # The shadow LRU: keys sampled at 1 in 2**s (oldest first), and the
         # uses of them that this cache hit and it missed, or the other way round.
-        self._sim_rate = min(8, max(0, int(math.log2(max(1, capacity) / self.SIM_BLOCKS))))
+        self._sim_rate = min(_MAX_SIM_RATE, max(0, int(math.log2(max(1, capacity) / self.SIM_BLOCKS))))
         self._sim: OrderedDict[bytes, None] = OrderedDict()
         self._sim_ours = 0.0
         self._sim_lru = 0.0
