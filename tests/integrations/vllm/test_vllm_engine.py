@@ -236,11 +236,10 @@ def test_tp2_serves_a_pushed_out_prefix_from_the_shared_pool(engines):
     assert metric(fillers, "vllm:kvoffload_stored_blocks[cpu]") == 3 * 8
     assert metric(last, "vllm:prefix_cache_hits") == 0
     assert metric(last, "vllm:external_prefix_cache_hits") == 8 * BLOCK
-    # The CPU tier's loads also count the read-backs of cascades to storage
-    # (each counted in the same step as the storage tier's stored blocks);
-    # a filler's cascade may land in this phase, so count the GPU loads only.
-    cascaded = metric(last, "vllm:kvoffload_stored_blocks[storage]")
-    assert metric(last, "vllm:kvoffload_loaded_blocks[cpu]") - cascaded == 8
+    # A filler's cascade to storage may land in this phase; its read-back
+    # from the CPU tier is released, not loaded (CPUOffloadingManager.release),
+    # so the CPU tier's loads are the 8 the prompt loaded, whenever it lands.
+    assert metric(last, "vllm:kvoffload_loaded_blocks[cpu]") == 8
     assert tokens(last) == tokens(first)
     assert all(len(t) == MAX_TOKENS for p in (first, fillers, last) for t in tokens(p))
     assert engines["pools_left"] == []  # TP rank 0 removed the pool file at shutdown
