@@ -103,8 +103,10 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import chain, compress, repeat
+from itertools import chain, filterfalse, repeat
 from operator import itemgetter
+
+import numpy as np
 
 from kvoffload.abstractions import ReqContext
 from kvoffload.policies.segchain import SegChainPolicy, _SegReq
@@ -118,7 +120,7 @@ _HASH_BYTE = itemgetter(-5)  # a key's last hash byte (4 group bytes follow)
 _MAX_RATE = 6  # 1 in 64 at most
 _WEIGHT = [float(1 << k) for k in range(_MAX_RATE + 1)]  # an episode sampled at 1 in 2**k stands for 2**k
 _MAX_SIM_RATE = 8  # the shadow LRU samples 1 in 256 keys at most (one hash byte)
-_TABLES = [bytes(int(b % (1 << k) == 0) for b in range(256)) for k in range(_MAX_SIM_RATE + 1)]  # 1 in 2**k
+_DRAIN_KEYS = 65536  # logged key uses before _drain runs anyway (bounds the log's memory)
 
 
 def _hash_bytes(keys: list[bytes]) -> bytes:
@@ -140,6 +142,7 @@ def _bin(d: float) -> int:
 
 
 _BIN_OF = [_bin(d) for d in range(int(HORIZON) + 1)]  # _bin of a whole distance up to HORIZON
+_BIN_ARRAY = np.array(_BIN_OF, np.int64)
 
 
 class _HubReq(_SegReq):
@@ -263,54 +266,162 @@ class HubChainPolicy(SegChainPolicy):
         self._held: set[bytes] = set()
         self._held_more: dict[bytes, int] = {}
         self._loads = object()  # owner of each context's _Loaded (get_owned(self) holds its _HubReq)
+        # Uses logged for _drain: the keys in one list, each call's end in it
+        # and (clock << 2) | (class << 1) | hit.
+        self._log_keys: list[bytes] = []
+        self._log_end: list[int] = []
+        self._log_meta: list[int] = []
 
     # ---- reuse distances ---------------------------------------------------
 
     def _follow(self, keys: list[bytes], cls: int, hit: bool) -> None:
-        """A use of keys (hit, or stored after a miss): each ends the episode
-        it was followed in (a reuse at its distance) and, if sampled, starts
-        one of class cls, weighted by its class's sampling rate."""
-        episodes, now, live = self._episodes, self._clock, self._live
-        # Every followed key ends its episode, sampled now or not, so one
-        # started under another class or rate still ends. Followed keys are all
-        # in the sample of the lowest rate live (the samples nest): only those
-        # are looked up (C-level calls).
-        low, k, s = self._low, self._rate[cls], self._sim_rate
-        self._seen[cls] += len(keys)
-        hashed = _hash_bytes(keys) if k or s else None
-        if not s:
-            if keys:
-                self._shadow(keys, hit)
-        else:
-            picked = hashed.translate(_TABLES[s])
-            if 1 in picked:
-                self._shadow(list(compress(keys, picked)), hit)
-        if low:
-            sampled = hashed.translate(_TABLES[low])
-            if 1 not in sampled:  # (most calls: none followed, so none starts either)
-                return
-            cand = list(compress(keys, sampled))
-        else:
-            cand = keys
-        ended = list(map(episodes.pop, cand, repeat(None)))
-        new = cand if k == low else list(compress(keys, hashed.translate(_TABLES[k])))
-        if new:
-            before = len(episodes)
-            episodes.update(zip(new, repeat((now << 8) | (k << 1) | cls)))
-            added = len(episodes) - before  # not len(new): a key used twice in one call starts one episode
-            self._started[cls] += added << k
-            live[k] += added
-        if ended.count(None) < len(ended):  # (C-level: most calls end no episode)
-            ended = [e for e in ended if e is not None]
-            dist, bin_of, last = self._dist, _BIN_OF, len(_BIN_OF) - 1
-            met = self._hit_at if hit else self._miss_at
-            for e in ended:  # (start << 8) | (rate exponent << 1) | class
-                d = now - (e >> 8)
-                ek = (e >> 1) & 127
-                live[ek] -= 1
-                b = bin_of[d] if d < last else BINS - 1
-                dist[e & 1][b] += _WEIGHT[ek]
-                met[b] += _WEIGHT[ek]
+        """A use of keys (hit, or stored after a miss), logged for _drain.
+        What it feeds (reuse distances, the shadow LRU's counts) is read only
+        at a split, and the rates and the shift it depends on change only
+        there, so the work waits for one batch: per call, three C-level
+        appends (hot path: most of what sampling cost per call)."""
+        log = self._log_keys
+        log.extend(keys)
+        self._log_end.append(len(log))
+        self._log_meta.append((self._clock << 2) | (cls << 1) | hit)
+        if len(log) >= _DRAIN_KEYS:
+            self._drain()
+
+    def _drain(self) -> None:
+        """The logged uses, in order, as if each had been followed at its
+        call: each followed key ends the episode it was followed in (a reuse
+        at its distance) and, if sampled at its class's rate, starts one,
+        weighted by that rate; and the shadow LRU sees its sample. Followed
+        keys are all in the sample of the lowest rate live (the samples
+        nest), so only those are looked at. Float sums add in the calls'
+        order, as the calls would have."""
+        keys, ends, meta = self._log_keys, self._log_end, self._log_meta
+        if not ends:
+            return
+        self._log_keys, self._log_end, self._log_meta = [], [], []
+        n_calls = len(ends)
+        lens = np.diff(np.array(ends, np.int64), prepend=0)
+        meta_e = np.array(meta, np.int64)
+        clock_e, cls_e, hit_e = meta_e >> 2, (meta_e >> 1) & 1, meta_e & 1
+        call_of = np.repeat(np.arange(n_calls), lens)  # each key's call
+        nb = int(lens[cls_e == B].sum())
+        self._seen[A] += len(keys) - nb
+        self._seen[B] += nb
+        hb = np.frombuffer(_hash_bytes(keys), np.uint8)
+        s = self._sim_rate
+        picked = np.flatnonzero((hb & ((1 << s) - 1)) == 0) if s else np.arange(len(keys))
+        if len(picked):
+            self._drain_shadow(keys, picked, call_of, hit_e)
+        low = self._low
+        cand = np.flatnonzero((hb & ((1 << low) - 1)) == 0) if low else np.arange(len(keys))
+        if len(cand):
+            self._drain_episodes(keys, hb, cand, call_of, clock_e, cls_e, hit_e)
+
+    def _drain_shadow(self, keys: list[bytes], picked: np.ndarray, call_of: np.ndarray,
+                      hit_e: np.ndarray) -> None:
+        calls = call_of[picked]
+        if self.shift >= self.SIM_ON:  # counting: call by call, against the shadow at each call
+            cuts = np.flatnonzero(np.diff(calls)) + 1
+            get = keys.__getitem__
+            for part, c in zip(np.split(picked, cuts), calls[np.r_[0, cuts]].tolist()):
+                self._shadow(list(map(get, part.tolist())), bool(hit_e[c]))
+            return
+        # Not counting: only the end state matters. With the oldest trimmed
+        # after each call, the shadow holds the newest `capacity >> s` keys by
+        # last use, so the uses can be applied at once. A call makes its head
+        # newest; a key twice in one call takes its later place (the older).
+        ks = list(map(keys.__getitem__, picked.tolist()))
+        distinct = list(dict.fromkeys(ks))
+        ident = dict(zip(distinct, range(len(distinct))))
+        ids = np.fromiter(map(ident.__getitem__, ks), np.int64, len(ks))
+        by = np.lexsort((picked, calls, ids))
+        ids, calls, pos = ids[by], calls[by], picked[by]
+        last = np.ones(len(ids), bool)
+        last[:-1] = ids[1:] != ids[:-1]  # each key's last call, its last place there
+        ids, calls, pos = ids[last], calls[last], pos[last]
+        used = list(map(distinct.__getitem__, ids[np.lexsort((-pos, calls))].tolist()))  # oldest use first
+        kept = list(filterfalse(ident.__contains__, self._sim))  # not used since: older, in their order
+        kept.extend(used)
+        self._sim = OrderedDict.fromkeys(kept[-(self.capacity >> self._sim_rate):])
+
+    def _drain_episodes(self, keys: list[bytes], hb: np.ndarray, cand: np.ndarray, call_of: np.ndarray,
+                        clock_e: np.ndarray, cls_e: np.ndarray, hit_e: np.ndarray) -> None:
+        ckeys = list(map(keys.__getitem__, cand.tolist()))
+        distinct = list(dict.fromkeys(ckeys))
+        ident = dict(zip(distinct, range(len(distinct))))
+        ids = np.fromiter(map(ident.__getitem__, ckeys), np.int64, len(ckeys))
+        order = np.lexsort((cand, ids))  # each key's uses together, in time order
+        ids, pos = ids[order], cand[order]
+        calls = call_of[pos]
+        if len(ids) > 1:  # a key twice in one call: one use (its first)
+            keep = np.ones(len(ids), bool)
+            keep[1:] = (ids[1:] != ids[:-1]) | (calls[1:] != calls[:-1])
+            if not keep.all():
+                ids, pos, calls = ids[keep], pos[keep], calls[keep]
+        n = len(ids)
+        first = np.ones(n, bool)
+        first[1:] = ids[1:] != ids[:-1]
+        last = np.ones(n, bool)
+        last[:-1] = first[1:]
+        cls_u, clock_u, hit_u = cls_e[calls], clock_e[calls], hit_e[calls]
+        rate_u = np.array(self._rate, np.int64)[cls_u]
+        starts = (hb[pos].astype(np.int64) & ((1 << rate_u) - 1)) == 0
+        live, episodes = self._live, self._episodes
+        # Ended by a use in this batch: the key's previous use started one.
+        inner = np.flatnonzero(~first[1:] & starts[:-1]) + 1
+        end_pos = [pos[inner]]
+        end_d = [clock_u[inner] - clock_u[inner - 1]]
+        end_k = [rate_u[inner - 1]]
+        end_cls = [cls_u[inner - 1]]
+        end_hit = [hit_u[inner]]
+        # Ended by a key's first use here: an episode from an earlier batch.
+        fu = np.flatnonzero(first)
+        prior = np.array(list(map(episodes.pop, map(distinct.__getitem__, ids[fu].tolist()), repeat(-1))), np.int64)
+        was = prior >= 0
+        if was.any():
+            e, u = prior[was], fu[was]
+            ek = (e >> 1) & 127
+            for k, c in enumerate(np.bincount(ek).tolist()):
+                live[k] -= c
+            end_pos.append(pos[u])
+            end_d.append(clock_u[u] - (e >> 8))
+            end_k.append(ek)
+            end_cls.append(e & 1)
+            end_hit.append(hit_u[u])
+        ep = np.concatenate(end_pos)
+        if len(ep):
+            by = np.argsort(ep, kind="stable")  # the calls' order, each call's keys in order
+            d = np.concatenate(end_d)[by]
+            b = np.where(d < len(_BIN_OF) - 1, _BIN_ARRAY[np.minimum(d, len(_BIN_OF) - 1)], BINS - 1)
+            w = np.ldexp(1.0, np.concatenate(end_k)[by])
+            c, h = np.concatenate(end_cls)[by], np.concatenate(end_hit)[by]
+            # np.add.at adds one element at a time in order: the same sums, to
+            # the last bit, as the calls' own adds would give
+            for target, mask in ((self._dist[A], c == A), (self._dist[B], c == B),
+                                 (self._miss_at, h == 0), (self._hit_at, h == 1)):
+                if mask.any():
+                    acc = np.array(target[:BINS])
+                    np.add.at(acc, b[mask], w[mask])
+                    target[:BINS] = acc.tolist()
+        # Started: weighted per class, added call by call as the calls did.
+        su = np.flatnonzero(starts)
+        if len(su):
+            w = np.ldexp(1.0, rate_u[su])
+            for cls in (A, B):
+                mine = cls_u[su] == cls
+                if mine.any():
+                    per_call = np.bincount(calls[su][mine], weights=w[mine])
+                    acc = np.array([self._started[cls]])
+                    np.add.at(acc, np.zeros(int((per_call > 0).sum()), np.int64), per_call[per_call > 0])
+                    self._started[cls] = float(acc[0])
+            # Still open: a key's last use here started one (oldest start first).
+            op = np.flatnonzero(last & starts)
+            if len(op):
+                op = op[np.argsort(pos[op], kind="stable")]
+                packed = (clock_u[op] << 8) | (rate_u[op] << 1) | cls_u[op]
+                episodes.update(zip(map(distinct.__getitem__, ids[op].tolist()), packed.tolist()))
+                for k, c in enumerate(np.bincount(rate_u[op]).tolist()):
+                    live[k] += c
 
     def _shadow(self, keys: list[bytes], hit: bool) -> None:
         """A use of the shadow LRU's keys (all hits or all misses here): count
@@ -332,6 +443,7 @@ class HubChainPolicy(SegChainPolicy):
 
     def _split(self) -> None:
         """shift from the lives that serve most hits within the capacity."""
+        self._drain()
         now, episodes = self._clock, self._episodes
         span = max(1, now - self._since)
         rates = [x / span for x in self._started]  # episodes per request
