@@ -45,7 +45,7 @@ soon, and LRU wins. So:
   cache on a hash sample of them (SHARDS: 1 in 2**s keys in a capacity
   2**s times smaller, about SIM_BLOCKS keys), and while shift is on, the
   uses of those keys where one of the two hit and the other missed are
-  counted (decayed per split). Where their difference is significant
+  counted (kept about a thousand splits). Where their difference is significant
   (SIM_Z standard deviations of a sign test) it decides: LRU ahead, shift
   aims at 0; the cache ahead, the split's target stands. Else the check
   above decides. Uses while shift is near 0 are not counted: with no shift
@@ -190,6 +190,14 @@ class HubChainPolicy(SegChainPolicy):
     SIM_BLOCKS = 2048
     SIM_Z = 2.0
     SIM_ON = 1.0
+    # Its counts are kept about a thousand splits (version 14). They grow only
+    # while the shift is on, and an "LRU ahead" verdict brings the shift down
+    # (an eighth per split: 30 splits from 90 requests to 2). Decayed by 0.95
+    # per split (version 13) the verdict faded in about 40, the model check
+    # raised the shift again, and it swung: convo-judge14 at 1% found LRU
+    # ahead at 264 of 561 splits, the shift back near 90 after each, and
+    # lost 0.0035 to LRU (0.0006 with this memory; 0.990 lost 0.0025).
+    SIM_MEMORY = 0.999
     # p moves this many blocks (times ARC's ghost ratio) per first miss: a
     # first miss stands for a request's blocks. Chosen on the seen rows
     # (rag-judge7, agentic-tune); after the judge8 run, 8-16 served rag-judge8
@@ -858,8 +866,8 @@ class HubChainPolicy(SegChainPolicy):
         if self._evicted_since >= max(1, self.capacity // 4):
             self._evicted_since = 0
             self._split()
-            self._sim_ours *= self.CHECK_MEMORY  # (at every split, the first ones too)
-            self._sim_lru *= self.CHECK_MEMORY
+            self._sim_ours *= self.SIM_MEMORY  # (at every split, the first ones too)
+            self._sim_lru *= self.SIM_MEMORY
         # ARC's bounds: |loose| + |B1| <= c, resident + |B1| + |B2| <= 2c (oldest first, B2 before B1)
         c = self.capacity
         over = min(len(loose) + len(b1) - c, len(b1))
