@@ -65,20 +65,8 @@ class SegChainPolicy(ChainPolicy):
         # connector, the replay), so the first resident key met below the
         # store is the deepest. That is assumed, not checked: positions met out
         # of order on the way fall back to the full walk, others are not seen.
-        # Where the keys from the store's first on rise (the common case),
-        # the walk starts below them at once (C-level copies and a sort, not
-        # a walk over the store): it would pass them without a lookup.
-        names = list(positions)
-        at = names.index(keys[0])
-        values = list(positions.values())
-        rest = values[at:]
-        if len(rest) < 2 or rest == sorted(set(rest)):
-            walk = zip(reversed(names[:at]), reversed(values[:at]))
-            above = first
-        else:
-            walk = reversed(positions.items())
-            above = None
-        for k, p in walk:
+        above = None
+        for k, p in reversed(positions.items()):
             if above is not None and p >= above:
                 break
             above = p
