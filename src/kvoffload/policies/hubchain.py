@@ -137,12 +137,20 @@ def _hash_bytes(keys: list[bytes]) -> bytes:
     return bytes(map(_HASH_BYTE, keys))
 
 
+def _key_ids(ks: list[bytes]) -> tuple[list[bytes], dict[bytes, int], np.ndarray]:
+    """The distinct keys (first use first), each one's index, and each use's index."""
+    distinct = list(dict.fromkeys(ks))
+    ident = dict(zip(distinct, range(len(distinct))))
+    return distinct, ident, np.fromiter(map(ident.__getitem__, ks), np.int64, len(ks))
+
+
 def _bin(d: float) -> int:
     return min(BINS - 1, int(4 * math.log2(d))) if d > 1.0 else 0
 
 
 _BIN_OF = [_bin(d) for d in range(int(HORIZON) + 1)]  # _bin of a whole distance up to HORIZON
 _BIN_ARRAY = np.array(_BIN_OF, np.int64)
+assert _BIN_OF[-1] == BINS - 1  # a distance of HORIZON or more falls in the last bin
 
 
 class _HubReq(_SegReq):
@@ -287,7 +295,8 @@ class HubChainPolicy(SegChainPolicy):
         What it feeds (reuse distances, the shadow LRU's counts) is read only
         at a split, and the rates and the shift it depends on change only
         there, so the work waits for one batch: per call, three C-level
-        appends (hot path: most of what sampling cost per call)."""
+        appends (following each call at once was most of this policy's
+        extra cost per block)."""
         log = self._log_keys
         log.extend(keys)
         self._log_end.append(len(log))
@@ -327,6 +336,7 @@ class HubChainPolicy(SegChainPolicy):
 
     def _drain_shadow(self, keys: list[bytes], picked: np.ndarray, call_of: np.ndarray,
                       hit_e: np.ndarray) -> None:
+        """The shadow LRU's uses in the batch (`picked`: its sampled keys)."""
         calls = call_of[picked]
         if self.shift >= self.SIM_ON:  # counting: call by call, against the shadow at each call
             cuts = np.flatnonzero(np.diff(calls)) + 1
@@ -338,10 +348,7 @@ class HubChainPolicy(SegChainPolicy):
         # after each call, the shadow holds the newest `capacity >> s` keys by
         # last use, so the uses can be applied at once. A call makes its head
         # newest; a key twice in one call takes its later place (the older).
-        ks = list(map(keys.__getitem__, picked.tolist()))
-        distinct = list(dict.fromkeys(ks))
-        ident = dict(zip(distinct, range(len(distinct))))
-        ids = np.fromiter(map(ident.__getitem__, ks), np.int64, len(ks))
+        distinct, ident, ids = _key_ids(list(map(keys.__getitem__, picked.tolist())))
         by = np.lexsort((picked, calls, ids))
         ids, calls, pos = ids[by], calls[by], picked[by]
         last = np.ones(len(ids), bool)
@@ -354,10 +361,10 @@ class HubChainPolicy(SegChainPolicy):
 
     def _drain_episodes(self, keys: list[bytes], hb: np.ndarray, cand: np.ndarray, call_of: np.ndarray,
                         clock_e: np.ndarray, cls_e: np.ndarray, hit_e: np.ndarray) -> None:
-        ckeys = list(map(keys.__getitem__, cand.tolist()))
-        distinct = list(dict.fromkeys(ckeys))
-        ident = dict(zip(distinct, range(len(distinct))))
-        ids = np.fromiter(map(ident.__getitem__, ckeys), np.int64, len(ckeys))
+        """The episodes' uses in the batch (`cand`: keys in the lowest rate's
+        sample), grouped by key with a sort: a use ends the episode the key's
+        previous use started, in this batch or an earlier one."""
+        distinct, _, ids = _key_ids(list(map(keys.__getitem__, cand.tolist())))
         order = np.lexsort((cand, ids))  # each key's uses together, in time order
         ids, pos = ids[order], cand[order]
         calls = call_of[pos]
@@ -400,7 +407,7 @@ class HubChainPolicy(SegChainPolicy):
         if len(ep):
             by = np.argsort(ep, kind="stable")  # the calls' order, each call's keys in order
             d = np.concatenate(end_d)[by]
-            b = np.where(d < len(_BIN_OF) - 1, _BIN_ARRAY[np.minimum(d, len(_BIN_OF) - 1)], BINS - 1)
+            b = _BIN_ARRAY[np.minimum(d, len(_BIN_OF) - 1)]  # (the last entry is the last bin)
             w = np.ldexp(1.0, np.concatenate(end_k)[by])
             c, h = np.concatenate(end_cls)[by], np.concatenate(end_hit)[by]
             # np.add.at adds one element at a time in order: the same sums, to
