@@ -768,18 +768,21 @@ def _follow_one_call(pol: HubChainPolicy, keys: list[bytes], cls: int, hit: bool
        shift=st.sampled_from([0.0, HubChainPolicy.SIM_ON]),
        calls=st.lists(st.tuples(st.lists(st.integers(0, 47), max_size=12), st.integers(0, 1),
                                 st.booleans(), st.integers(0, 3)), max_size=40),
-       drain_every=st.sampled_from([1, 5, 1000]))
-def test_logged_uses_are_followed_in_batches_as_one_call_at_a_time(capacity, rates, shift, calls, drain_every):
-    """_follow only logs; _drain follows a batch of calls at once
-    (vectorized). The state it leaves (reuse distances, episodes in their
-    order, the shadow LRU in its order and its counts) is the one following
-    each call at once leaves, to the last bit of every float (the sums start
-    at values where adds round, so their order shows): keys reused
-    within a batch and across batches, twice in one call, under two sampling
-    rates, with the shadow counting or not."""
+       drain_every=st.sampled_from([1, 5, 1000]), batched=st.booleans())
+def test_logged_uses_are_followed_in_batches_as_one_call_at_a_time(capacity, rates, shift, calls, drain_every,
+                                                                   batched):
+    """Where few keys are sampled _follow only logs, and _drain follows a
+    batch of calls at once (vectorized); else each call is followed at once
+    (_follow_now). The state either leaves (reuse distances, episodes in
+    their order, the shadow LRU in its order and its counts) is the one the
+    reference leaves, to the last bit of every float (the sums start at
+    values where adds round, so their order shows): keys reused within a
+    batch and across batches, twice in one call, under two sampling rates,
+    with the shadow counting or not."""
     from kvoffload.policies.hubchain import A, B
     pool = keys(1, 48)  # hash bytes 0..47: every rate samples some
     ref, pol = HubChainPolicy(capacity), HubChainPolicy(capacity)
+    pol._batched = batched  # (set by the sampling rates: here both ways at every capacity)
     for p in (ref, pol):
         p._rate, p._low, p.shift = list(rates), min(rates), shift
         big = 2.0 ** 53  # adds of 1, 2, 4, 8 round here: their order shows in the result
