@@ -123,9 +123,9 @@ _MAX_SIM_RATE = 8  # the shadow LRU samples 1 in 256 keys at most (one hash byte
 _TABLES = [bytes(int(b % (1 << k) == 0) for b in range(256)) for k in range(_MAX_SIM_RATE + 1)]  # 1 in 2**k
 # Uses are logged and followed in batches (_drain) where both samples take 1
 # key in 2**_BATCH_FROM or fewer; else each call at once (_follow_now). In
-# bench_manager's driver (_follow's time, seconds): at 16,384 blocks (1 in 8)
-# batches 0.024 against 0.035; at 4,096 and 8,192 (1 in 2, 1 in 4) about
-# equal; at 1,024 (every key) 0.144 against 0.069.
+# bench_manager's driver (following's time, seconds, batched against at once):
+# 16,384 blocks (1 in 8) 0.023 against 0.036; 8,192 (1 in 4) 0.055 and 0.053;
+# 4,096 (1 in 2) 0.084 against 0.076; 1,024 (every key) 0.190 against 0.089.
 _BATCH_FROM = 2
 _DRAIN_KEYS = 65536  # logged key uses before _drain runs anyway (bounds the log's memory)
 
