@@ -189,6 +189,7 @@ def serve_vllm(args) -> None:
     import vllm.v1.kv_offload.cpu.manager  # noqa: F401  (import cost outside the runs)
 
     requests = load_requests(args.stream)
+    args.capacity = int(args.capacity)  # (one capacity per process)
     print(json.dumps({"ready": True, "vllm": __import__("vllm").__version__}), flush=True)
     for line in sys.stdin:
         policy = line.strip()
@@ -200,7 +201,8 @@ def serve_vllm(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=200_000, help="blocks in the stream (default 200k)")
-    ap.add_argument("--capacity", type=int, default=16_384, help="CPU chunks (default 16384)")
+    ap.add_argument("--capacity", default="16384",
+                    help="CPU chunks (default 16384); several, comma-separated, sweep them (one vLLM process each)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--step-blocks", type=int, default=16, help="blocks per prepare_store call")
     ap.add_argument("--lag", type=int, default=4, help="stores in flight before the oldest completes")
@@ -217,67 +219,112 @@ def main() -> None:
         serve_vllm(args)
         return
 
+    capacities = [int(c) for c in str(args.capacity).split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         stream = str(Path(tmp) / "stream.npz")
         flat, offsets, hashes = make_stream(args.blocks, args.seed)
         np.savez(stream, flat=flat, offsets=offsets, hashes=hashes)
         requests = load_requests(stream)
-        print(f"stream: {len(requests)} requests, {len(flat)} blocks, {len(hashes)} distinct; "
-              f"capacity {args.capacity} chunks, {args.step_blocks} blocks per store, lag {args.lag}")
-        proc = None
-        if args.vllm_python:
-            cmd = [args.vllm_python, __file__, "--serve-vllm", "--stream", stream,
-                   "--capacity", str(args.capacity), "--step-blocks", str(args.step_blocks),
-                   "--lag", str(args.lag)] + (["--no-progress"] if args.no_progress else [])
-            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                    env={**__import__("os").environ, "VLLM_TARGET_DEVICE": "cpu"})
-            hello = json.loads(proc.stdout.readline())
-            print(f"vLLM {hello['vllm']} from {args.vllm_python}")
-        policies = args.policies.split(",")
-        runs = {p: ([], []) for p in policies}  # policy -> (ours, vLLM's)
-        # Repeats go round the policies (lru, hubchain, lru, hubchain, ...), each
-        # beside its vLLM run: a ratio then compares runs that shared the same
-        # stretch of the machine's load, not one policy's quiet minute to another's busy one.
-        for r in range(args.repeats):
-            for policy in policies:
-                ours, ref = runs[policy]
-                ours.append(run_ours(policy, requests, args))
-                if proc is not None:
-                    proc.stdin.write(vllm_policy(policy) + "\n")
-                    proc.stdin.flush()
-                    ref.append(json.loads(proc.stdout.readline()))
-        results = {}
-        for policy in policies:
-            ours, ref = runs[policy]
-            best = min(ours, key=lambda x: x["us_per_block"])
-            line = (f"{policy}: ours {best['us_per_block']:.2f} us/block "
-                    f"(hit {best['hit_blocks'] / best['blocks']:.1%}, evicted {best['evicted_blocks']})")
-            res = {"ours": best, "ours_all_us": [x["us_per_block"] for x in ours]}
-            if ref:
-                vbest = min(ref, key=lambda x: x["us_per_block"])
-                ratio = best["us_per_block"] / vbest["us_per_block"]
-                # runs alternate ours/vLLM, so each pair shared the machine's load
-                paired = float(np.median([o["us_per_block"] / v["us_per_block"] for o, v in zip(ours, ref)]))
-                line += (f"  vLLM {vllm_policy(policy)} {vbest['us_per_block']:.2f} us/block (hit {vbest['hit_blocks'] / vbest['blocks']:.1%},"
-                         f" evicted {vbest['evicted_blocks']})  ratio ours/vLLM {ratio:.2f} best-of,"
-                         f" {paired:.2f} median of pairs ({'meets' if ratio <= 0.5 else 'misses'} goal <= 0.5)")
-                res.update(vllm=vbest, vllm_all_us=[x["us_per_block"] for x in ref], ratio=ratio,
-                           paired_median_ratio=paired, vllm_policy=vllm_policy(policy))
-            if "lru" in results and policy != "lru":  # per-block cost against our LRU, same run
-                lru_us = results["lru"]["ours"]["us_per_block"]
-                res["vs_our_lru"] = best["us_per_block"] / lru_us
-                paired_lru = float(np.median([o / x for o, x in zip(res["ours_all_us"], results["lru"]["ours_all_us"])]))
-                res["vs_our_lru_paired_median"] = paired_lru
-                line += f"  vs our lru {res['vs_our_lru']:.2f}x best-of, {paired_lru:.2f}x median of pairs"
-            print(line, flush=True)
-            results[policy] = res
-        if proc is not None:
-            proc.stdin.close()
-            proc.wait()
+        by_capacity = {}
+        for capacity in capacities:
+            print(f"stream: {len(requests)} requests, {len(flat)} blocks, {len(hashes)} distinct; "
+                  f"capacity {capacity} chunks, {args.step_blocks} blocks per store, lag {args.lag}")
+            by_capacity[capacity] = measure(args, capacity, requests, stream)
+    results = by_capacity[capacities[0]] if len(capacities) == 1 else {str(c): r for c, r in by_capacity.items()}
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))
     if args.plot:
-        plot(results, args.plot, f"{args.blocks} blocks, capacity {args.capacity} chunks")
+        if len(capacities) == 1:
+            plot(results, args.plot, f"{args.blocks} blocks, capacity {capacities[0]} chunks")
+        else:
+            plot_sweep(by_capacity, args.plot, f"{args.blocks} blocks")
+
+
+def measure(args, capacity: int, requests, stream: str) -> dict:
+    """Every policy, ours (and vLLM's beside it), at one capacity: printed, and returned."""
+    args = argparse.Namespace(**{**vars(args), "capacity": capacity})
+    proc = None
+    if args.vllm_python:
+        cmd = [args.vllm_python, __file__, "--serve-vllm", "--stream", stream,
+               "--capacity", str(capacity), "--step-blocks", str(args.step_blocks),
+               "--lag", str(args.lag)] + (["--no-progress"] if args.no_progress else [])
+        proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                env={**__import__("os").environ, "VLLM_TARGET_DEVICE": "cpu"})
+        hello = json.loads(proc.stdout.readline())
+        print(f"vLLM {hello['vllm']} from {args.vllm_python}")
+    policies = args.policies.split(",")
+    runs = {p: ([], []) for p in policies}  # policy -> (ours, vLLM's)
+    # Repeats go round the policies (lru, hubchain, lru, hubchain, ...), each
+    # beside its vLLM run: a ratio then compares runs that shared the same
+    # stretch of the machine's load, not one policy's quiet minute to another's busy one.
+    for r in range(args.repeats):
+        for policy in policies:
+            ours, ref = runs[policy]
+            ours.append(run_ours(policy, requests, args))
+            if proc is not None:
+                proc.stdin.write(vllm_policy(policy) + "\n")
+                proc.stdin.flush()
+                ref.append(json.loads(proc.stdout.readline()))
+    results = {}
+    for policy in policies:
+        ours, ref = runs[policy]
+        best = min(ours, key=lambda x: x["us_per_block"])
+        line = (f"{policy}: ours {best['us_per_block']:.2f} us/block "
+                f"(hit {best['hit_blocks'] / best['blocks']:.1%}, evicted {best['evicted_blocks']})")
+        res = {"ours": best, "ours_all_us": [x["us_per_block"] for x in ours]}
+        if ref:
+            vbest = min(ref, key=lambda x: x["us_per_block"])
+            ratio = best["us_per_block"] / vbest["us_per_block"]
+            # runs alternate ours/vLLM, so each pair shared the machine's load
+            paired = float(np.median([o["us_per_block"] / v["us_per_block"] for o, v in zip(ours, ref)]))
+            line += (f"  vLLM {vllm_policy(policy)} {vbest['us_per_block']:.2f} us/block (hit {vbest['hit_blocks'] / vbest['blocks']:.1%},"
+                     f" evicted {vbest['evicted_blocks']})  ratio ours/vLLM {ratio:.2f} best-of,"
+                     f" {paired:.2f} median of pairs ({'meets' if ratio <= 0.5 else 'misses'} goal <= 0.5)")
+            res.update(vllm=vbest, vllm_all_us=[x["us_per_block"] for x in ref], ratio=ratio,
+                       paired_median_ratio=paired, vllm_policy=vllm_policy(policy))
+        if "lru" in results and policy != "lru":  # per-block cost against our LRU, same run
+            lru_us = results["lru"]["ours"]["us_per_block"]
+            res["vs_our_lru"] = best["us_per_block"] / lru_us
+            paired_lru = float(np.median([o / x for o, x in zip(res["ours_all_us"], results["lru"]["ours_all_us"])]))
+            res["vs_our_lru_paired_median"] = paired_lru
+            line += f"  vs our lru {res['vs_our_lru']:.2f}x best-of, {paired_lru:.2f}x median of pairs"
+        print(line, flush=True)
+        results[policy] = res
+    if proc is not None:
+        proc.stdin.close()
+        proc.wait()
+    return results
+
+
+def plot_sweep(by_capacity: dict, path: str, subtitle: str) -> None:
+    """Per policy, against the capacity: ours/vLLM's (goal <= 0.5) and ours
+    against our LRU (a default's limit, 1.5x), where the runs have them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    caps = sorted(by_capacity)
+    policies = list(by_capacity[caps[0]])
+    panels = [("ratio", "ours / vLLM 0.33's (its lru for policies it lacks)", 0.5),
+              ("vs_our_lru", "ours / our lru", 1.5)]
+    panels = [p for p in panels if any(p[0] in by_capacity[c][q] for c in caps for q in policies)]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.4), squeeze=False)
+    colors = dict(zip(policies, plt.rcParams["axes.prop_cycle"].by_key()["color"] * 4))  # one per policy, both panels
+    for ax, (key, label, goal) in zip(axes[0], panels):
+        for q in policies:
+            pts = [(c, by_capacity[c][q][key]) for c in caps if key in by_capacity[c][q]]
+            if pts:
+                ax.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=q, color=colors[q])
+        ax.axhline(goal, color="grey", linestyle="--", linewidth=1)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("capacity (chunks)")
+        ax.set_ylabel(label, fontsize=8)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"Manager overhead by capacity (lower is better; dashed: goal)\n{subtitle}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def plot(results: dict, path: str, subtitle: str) -> None:
