@@ -524,11 +524,12 @@ class HubChainPolicy(SegChainPolicy):
         # An episode older than the longest life a class could have (the whole
         # cache to itself) will not be served by any split: count it as never.
         horizon = min(HORIZON, self.capacity / max(min(rates), 1e-9))
-        while episodes:
-            k = next(iter(episodes))
-            e = episodes[k]
-            if now - (e >> 8) <= horizon:
+        old = []  # (oldest start first: one walk, not next(iter()) per key, which rescans the holes deletes leave)
+        for item in episodes.items():
+            if now - (item[1] >> 8) <= horizon:
                 break
+            old.append(item)
+        for k, e in old:
             del episodes[k]
             ek = (e >> 1) & 127
             self._live[ek] -= 1
