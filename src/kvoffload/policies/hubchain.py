@@ -427,11 +427,10 @@ class HubChainPolicy(SegChainPolicy):
         order = np.lexsort((cand, ids))  # each key's uses together, in time order
         ids, pos = ids[order], cand[order]
         calls = call_of[pos]
-        if len(ids) > 1:  # a key twice in one call: one use (its first)
-            keep = np.ones(len(ids), bool)
-            keep[1:] = (ids[1:] != ids[:-1]) | (calls[1:] != calls[:-1])
-            if not keep.all():
-                ids, pos, calls = ids[keep], pos[keep], calls[keep]
+        keep = np.ones(len(ids), bool)  # a key twice in one call: one use (its first)
+        keep[1:] = (ids[1:] != ids[:-1]) | (calls[1:] != calls[:-1])
+        if not keep.all():
+            ids, pos, calls = ids[keep], pos[keep], calls[keep]
         n = len(ids)
         first = np.ones(n, bool)
         first[1:] = ids[1:] != ids[:-1]
@@ -485,9 +484,10 @@ class HubChainPolicy(SegChainPolicy):
                 mine = cls_u[su] == cls
                 if mine.any():
                     per_call = np.bincount(calls[su][mine], weights=w[mine])
-                    acc = np.array([self._started[cls]])
-                    np.add.at(acc, np.zeros(int((per_call > 0).sum()), np.int64), per_call[per_call > 0])
-                    self._started[cls] = float(acc[0])
+                    total = self._started[cls]
+                    for v in per_call[per_call > 0].tolist():
+                        total += v
+                    self._started[cls] = total
             # Still open: a key's last use here started one (oldest start first).
             op = np.flatnonzero(last & starts)
             if len(op):
