@@ -109,3 +109,78 @@ def test_parallel_sweep_runs_no_more_at_once_than_memory_holds():
     assert fit_workers([10, 20, 30], 3, 59) == 2  # the two biggest together: 50
     assert fit_workers([10, 20, 30], 2, 1000) == 2
     assert fit_workers([10, 20, 30], 3, 5) == 1  # one at a time, as the sequential run would
+
+
+def _scan_and_hot() -> list[list[int]]:
+    """A hot prefix read again after every two one-shot scans: LRU lets the
+    scans push its tail out, ARC keeps it (blocks read twice) at 5 blocks;
+    at 7 both keep it."""
+    reqs, fresh = [], 100
+    for _ in range(12):
+        reqs.append([1, 2, 3])
+        for _ in range(2):
+            reqs.append([fresh, fresh + 1])
+            fresh += 2
+    return reqs
+
+
+def test_policies_side_by_side(mooncake_file, tmp_path, capsys):
+    p = mooncake_file(_scan_and_hot())
+    out_json, md = tmp_path / "c.json", tmp_path / "c.md"
+    # legacy order: deterministic hit rates, and the LRU sim equals the LRU replay
+    rc = main(["replay", str(p), "--block-size", "4", "--policy", "lru,arc", "--sweep", "5,7", "--oracle",
+               "--order", "legacy", "--no-progress", "--json", str(out_json), "--markdown", str(md),
+               "--plot-dir", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| CPU capacity (blocks) | lru | arc | best (vs lru) | LRU sim | Belady |" in out
+    assert md.read_text() in out
+    assert (tmp_path / "hit_rate_by_policy.png").stat().st_size > 0
+    runs = json.loads(out_json.read_text())
+    assert [(r["result"]["options"]["extra_config"]["eviction_policy"],
+             r["result"]["options"]["extra_config"]["num_cpu_chunks"]) for r in runs] == \
+        [("lru", 5), ("lru", 7), ("arc", 5), ("arc", 7)]
+    rate = {(r["result"]["options"]["extra_config"]["eviction_policy"],
+             r["result"]["options"]["extra_config"]["num_cpu_chunks"]): r["summary"]["offload_prefix_hit_rate"]
+            for r in runs}
+    # the oracles ride on the first policy's replays only (they do not depend on the policy)
+    assert all("oracle:belady" in r["summary"] for r in runs[:2])
+    assert not any("oracle:belady" in r["summary"] for r in runs[2:])
+    assert runs[0]["summary"]["oracle:lru"] == rate[("lru", 5)]
+    # each policy's column is what a replay of that policy alone gives
+    for policy in ("lru", "arc"):
+        alone = tmp_path / f"{policy}.json"
+        assert main(["replay", str(p), "--block-size", "4", "--policy", policy, "--sweep", "5,7",
+                     "--order", "legacy", "--no-progress", "--json", str(alone)]) == 0
+        got = [r["summary"]["offload_prefix_hit_rate"] for r in json.loads(alone.read_text())]
+        assert got == [rate[(policy, 5)], rate[(policy, 7)]]
+    capsys.readouterr()
+    # the best is named, with its gain over the first policy listed; a tie goes to the first
+    assert rate[("arc", 5)] > rate[("lru", 5)] and rate[("arc", 7)] == rate[("lru", 7)]
+    rows = out.splitlines()[2:4]
+    assert rows[0].endswith(f"| **{rate[('arc', 5)]:.4f}** | arc {rate[('arc', 5)] - rate[('lru', 5)]:+.4f} |"
+                            f" {rate[('lru', 5)]:.4f} | {runs[0]['summary']['oracle:belady']:.4f} |")
+    assert f"| 7 | **{rate[('lru', 7)]:.4f}** | {rate[('arc', 7)]:.4f} | lru +0.0000 |" in rows[1]
+
+
+def test_policy_list_errors_before_any_replay(mooncake_file, capsys):
+    p = mooncake_file([[1, 2], [1, 3]])
+    for value, message in (("lru,nope", "unknown eviction policy 'nope'"),
+                           ("lru,arc,lru", "--policy names 'lru' twice"),
+                           (" , ", "names no policy")):
+        assert main(["replay", str(p), "--block-size", "4", "--policy", value, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1 and "offload prefix hit rate" not in err
+
+
+def test_policies_compared_at_one_capacity_in_bytes(mooncake_file, capsys):
+    """Without --sweep: one row, at the capacity asked (here in bytes: the
+    row gives the blocks the tier held)."""
+    p = mooncake_file(_scan_and_hot())
+    # 64-byte chunks (4 tokens x 16 bytes) each padded to 4 KiB: 20 KiB holds 5
+    assert main(["replay", str(p), "--block-size", "4", "--policy", "lru,arc", "--cpu-bytes", "20KiB",
+                 "--order", "legacy", "--no-progress"]) == 0
+    captured = capsys.readouterr()
+    rows = [line for line in captured.out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) == 2 and rows[1].startswith("| 5 | ") and "| arc +" in rows[1]
+    assert "[arc 20480 bytes] offload prefix hit rate" in captured.err

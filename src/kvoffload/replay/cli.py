@@ -12,6 +12,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvoffload.config import ConfigError, check_fits_in_memory, memory_available, parse_bytes
+from kvoffload.policies import get_policy_class
 from kvoffload.redact import redact_text, redact_url
 from kvoffload.replay.sweep import default_workers, fit_workers, replay_once, run_sweep
 from kvoffload.replay.traces import FORMATS, Trace, load_trace, mark_final_turns
@@ -53,7 +54,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--cpu-blocks", help="CPU tier capacity in blocks, or a share of the trace's "
                    "unique blocks such as 5%% (default 10%% unless --cpu-bytes)")
     s.add_argument("--cpu-bytes", help="CPU tier size, e.g. 2GiB (cpu_bytes_to_use)")
-    s.add_argument("--policy", default="lru", help="eviction policy: lru (default), arc, or module:Class")
+    s.add_argument("--policy", default="lru",
+                   help="eviction policy: lru (default), arc, hubchain, ... or module:Class; several, "
+                        "comma-separated (lru,arc,hubchain): each replayed at the same capacities, side by "
+                        "side, the best named (which policy suits your trace)")
     s.add_argument("--storage-dir", help="storage tier directory (storage_dir; needs a spec with a "
                    "storage tier, e.g. tiered)")
     s.add_argument("--storage-bytes", help="storage tier size (storage_bytes)")
@@ -145,6 +149,13 @@ def check_args(args) -> None:
         if value is not None and not (math.isfinite(value) and (value >= low if low_ok else value > low)):
             need = f"a finite number {'>=' if low_ok else '>'} {low:g}"
             raise ConfigError(f"--{name.replace('_', '-')} must be {need}, got {value!r}")
+    policies = policy_list(args.policy)
+    if not policies:
+        raise ConfigError(f"--policy {args.policy!r} names no policy (e.g. lru, or lru,arc,hubchain)")
+    for name in policies:
+        if policies.count(name) > 1:
+            raise ConfigError(f"--policy names {name!r} twice")
+        get_policy_class(name)  # an unknown one: ConfigError naming it and the known ones
     finite("hold", args.hold, 0, True)
     if args.hold > HOLD_MAX_S:  # time.sleep overflows past time_t
         raise ConfigError(f"--hold must be at most {HOLD_MAX_S} seconds (a year), got {args.hold!r}")
@@ -179,6 +190,10 @@ def check_args(args) -> None:
 
 def sweep_points(value: str) -> list[str]:
     return [c.strip() for c in value.split(",") if c.strip()]
+
+
+def policy_list(value: str) -> list[str]:
+    return [p.strip() for p in value.split(",") if p.strip()]
 
 
 def check_engine_memory(trace: Trace, opts) -> int:
@@ -257,10 +272,10 @@ def _load_requests(args) -> Trace:
     return trace
 
 
-def build_options(args, trace: Trace, cpu_blocks: str | None = None):
+def build_options(args, trace: Trace, cpu_blocks: str | None = None, policy: str | None = None):
     from kvoffload.replay.engine import EngineOptions
 
-    extra: dict[str, Any] = {"eviction_policy": args.policy}
+    extra: dict[str, Any] = {"eviction_policy": policy or policy_list(args.policy)[0]}
     cap = cpu_blocks or args.cpu_blocks
     if cap is not None or not args.cpu_bytes:
         extra["num_cpu_chunks"] = parse_capacity(cap or "10%", trace.num_unique_blocks())
@@ -315,6 +330,49 @@ def _stop_observability(args) -> None:
         args._events.close()
 
 
+def _compare(args, trace: Trace, policies: list[str]) -> dict[str, list]:
+    """Each policy at each capacity (the --sweep's, else the one asked for):
+    {policy: [(capacity, result), ...]}. The oracles do not depend on the
+    policy: only the first policy's replays simulate them."""
+    from kvoffload.replay import report
+
+    caps = sweep_points(args.sweep) if args.sweep else [None]
+    runs = [(p, c) for p in policies for c in caps]
+    options = [build_options(args, trace, cpu_blocks=c, policy=p) for p, c in runs]
+    sizes = [check_engine_memory(trace, o) for o in options]
+    labels = []
+    for (p, _), o in zip(runs, options):
+        labels.append(f"[{p} {_capacity(o)}]")
+        o.progress_label = labels[-1]
+
+    def done(i: int, r) -> None:
+        print(f"{labels[i]} offload prefix hit rate {report.summary(r)['offload_prefix_hit_rate']:.4f}",
+              file=sys.stderr)
+
+    workers = fit_workers(sizes, args.sweep_workers or default_workers(len(options)), memory_available())
+    oracle = [args.oracle and i < len(caps) for i in range(len(runs))]
+    results = run_sweep(trace, options, oracle, workers, done)
+    by_policy: dict[str, list] = {p: [] for p in policies}
+    for (p, _), o, r in zip(runs, options, results):
+        by_policy[p].append((_capacity(o, r), r))
+    return by_policy
+
+
+def _capacity(opts, result=None) -> int | str:
+    """The CPU tier's capacity in blocks: as asked, or (--cpu-bytes) as the
+    replay's first tier had it; before the replay, the bytes asked for."""
+    extra = opts.extra_config
+    if "num_cpu_chunks" in extra:
+        return extra["num_cpu_chunks"]
+    if result is not None and result.tiers:
+        from kvoffload.replay import report
+
+        first = next(iter(report.tier_rows(result).values()))
+        if first.get("capacity_blocks"):
+            return first["capacity_blocks"]
+    return f"{extra['cpu_bytes_to_use']} bytes"
+
+
 def run(args) -> int:
     """Every bad input, from an option to a trace line or an output path,
     ends here as one line and exit code 2."""
@@ -332,7 +390,13 @@ def _run(args) -> int:
     try:
         _start_observability(args)
         trace = _load(args)
-        if args.sweep:
+        policies = policy_list(args.policy)
+        if len(policies) > 1:
+            by_policy = _compare(args, trace, policies)
+            results = [r for points in by_policy.values() for _, r in points]
+            points = []
+            print(report.policy_table(by_policy))
+        elif args.sweep:
             caps = sweep_points(args.sweep)
             options = [build_options(args, trace, cpu_blocks=c) for c in caps]
             sizes = []
@@ -357,17 +421,25 @@ def _run(args) -> int:
             print(report.format_table(results[0]))
     finally:
         _stop_observability(args)
+    compared = len(policies) > 1
     if args.json:
-        report.write_json([report.to_json(r) for r in results] if points else report.to_json(results[0]),
+        several = points or compared
+        report.write_json([report.to_json(r) for r in results] if several else report.to_json(results[0]),
                           args.json)
     if args.markdown:
-        md = report.sweep_table(points) if points else report.to_markdown(results[0])
+        if compared:
+            md = report.policy_table(by_policy)
+        else:
+            md = report.sweep_table(points) if points else report.to_markdown(results[0])
         Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
         Path(args.markdown).write_text(md)
     if args.plot_dir:
         d = Path(args.plot_dir)
         d.mkdir(parents=True, exist_ok=True)
-        report.plot_timeline(results[-1], d / "hit_rate_over_time.png")
+        if compared:
+            report.plot_policies(by_policy, d / "hit_rate_by_policy.png", title=trace.name)
+        else:
+            report.plot_timeline(results[-1], d / "hit_rate_over_time.png")
         if points:
             report.plot_sweep(points, d / "hit_rate_vs_capacity.png", title=trace.name)
         print(f"plots written to {d}/", file=sys.stderr)

@@ -243,6 +243,57 @@ def sweep_table(points: list[tuple[int, ReplayResult]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def policy_table(by_policy: dict[str, list[tuple[Any, ReplayResult]]]) -> str:
+    """Policies side by side (`--policy a,b,c`): one row per capacity, each
+    policy's offload prefix hit rate, the best named with its gain over the
+    first policy listed, and the oracles (from the first policy's replays)
+    when they were simulated."""
+    names = list(by_policy)
+    rows = list(zip(*by_policy.values()))  # per capacity: (capacity, result) of each policy
+    first = by_policy[names[0]]
+    has_oracle = any(r.oracle for _, r in first)
+    head = "| CPU capacity (blocks) | " + " | ".join(names) + f" | best (vs {names[0]}) |"
+    sep = "|---:|" + "---:|" * len(names) + "---|"
+    if has_oracle:
+        head += " LRU sim | Belady |"
+        sep += "---:|---:|"
+    lines = [head, sep]
+    for row in rows:
+        cap, base = row[0][0], row[0][1]
+        rates = [summary(r)["offload_prefix_hit_rate"] for _, r in row]
+        best = max(range(len(rates)), key=rates.__getitem__)  # a tie: the first listed
+        cells = [f"**{x:.4f}**" if i == best else f"{x:.4f}" for i, x in enumerate(rates)]
+        line = f"| {cap:,} | " if isinstance(cap, int) else f"| {cap} | "
+        line += " | ".join(cells) + f" | {names[best]} {rates[best] - rates[0]:+.4f} |"
+        if has_oracle:
+            line += f" {base.oracle.get('lru', float('nan')):.4f} | {base.oracle.get('belady', float('nan')):.4f} |"
+        lines.append(line)
+    return "\n".join(lines) + "\n"
+
+
+def plot_policies(by_policy: dict[str, list[tuple[Any, ReplayResult]]], path: str | Path, title: str = "") -> None:
+    """Each policy's offload prefix hit rate against the CPU capacity, with
+    Belady's where it was simulated."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    first = next(iter(by_policy.values()))
+    caps = [i for i in range(len(first))]
+    ticks = [str(cap) if not isinstance(cap, int) else f"{cap:,}" for cap, _ in first]
+    for name, points in by_policy.items():
+        ax.plot(caps, [summary(r)["offload_prefix_hit_rate"] for _, r in points], "o-", label=name)
+    if all(r.oracle for _, r in first):
+        ax.plot(caps, [r.oracle["belady"] for _, r in first], "^--", color="gray", label="Belady (optimal)")
+    ax.set_xticks(caps, ticks)
+    ax.set_xlabel("CPU tier capacity (blocks)")
+    ax.set_ylabel("offload prefix hit rate")
+    ax.set_title(title or "hit rate by policy")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _plt():
     import matplotlib
 

@@ -1,5 +1,6 @@
-"""Running replays for the CLI: one, or one per capacity of a --sweep, the
-sweep's replays in parallel processes when the machine has cores to spare.
+"""Running replays for the CLI: one, or one per capacity of a --sweep (and
+per policy of a --policy list), in parallel processes when the machine has
+cores to spare.
 
 The parallel replays are forked (where the platform can): each child has
 the parent's trace without pickling millions of block hashes, and sends
@@ -65,18 +66,20 @@ def _replay_forked(opts, oracle: bool):
     return replay_once(_TRACE, opts, oracle)
 
 
-def run_sweep(trace: Trace, options: list, oracle: bool, workers: int,
+def run_sweep(trace: Trace, options: list, oracle: bool | list[bool], workers: int,
               done: Callable[[int, object], None]) -> list:
     """Replay each of `options` (in `workers` processes at most); done(i, result)
-    is called in the options' order as results come in. Runs in this
-    process when one worker is asked for, when an option holds live objects
-    (a metrics endpoint or event publisher shared by every replay), or
-    where processes cannot be forked."""
+    is called in the options' order as results come in. `oracle`: simulate
+    the oracles beside every replay, or (a list) beside those marked. Runs in
+    this process when one worker is asked for, when an option holds live
+    objects (a metrics endpoint or event publisher shared by every replay),
+    or where processes cannot be forked."""
+    oracles = oracle if isinstance(oracle, list) else [oracle] * len(options)
     shared = any(o.metrics is not None or o.events is not None for o in options)
     if workers <= 1 or len(options) <= 1 or shared or "fork" not in multiprocessing.get_all_start_methods():
         results = []
         for i, opts in enumerate(options):
-            results.append(replay_once(trace, opts, oracle))
+            results.append(replay_once(trace, opts, oracles[i]))
             done(i, results[-1])
         return results
     global _TRACE
@@ -88,7 +91,7 @@ def run_sweep(trace: Trace, options: list, oracle: bool, workers: int,
             futures = []
             for i, opts in enumerate(options):
                 opts.progress_position = i  # each replay's bar on a line of its own
-                futures.append(pool.submit(_replay_forked, opts, oracle))
+                futures.append(pool.submit(_replay_forked, opts, oracles[i]))
             results = []
             for i, f in enumerate(futures):
                 results.append(f.result())
