@@ -161,6 +161,11 @@ def test_policies_side_by_side(mooncake_file, tmp_path, capsys):
     assert rows[0].endswith(f"| **{rate[('arc', 5)]:.4f}** | arc {rate[('arc', 5)] - rate[('lru', 5)]:+.4f} |"
                             f" {rate[('lru', 5)]:.4f} | {runs[0]['summary']['oracle:belady']:.4f} |")
     assert f"| 7 | **{rate[('lru', 7)]:.4f}** | {rate[('arc', 7)]:.4f} | lru +0.0000 |" in rows[1]
+    # then what each cost per block reference, against the first (figures: this run's timing)
+    lines = out.splitlines()
+    at = lines.index("| manager µs per block | lru | arc |")
+    assert [line.split(" | ")[0] for line in lines[at + 2:at + 4]] == ["| 5", "| 7"]
+    assert all(line.endswith("x) |") for line in lines[at + 2:at + 4])
 
 
 def test_policy_list_errors_before_any_replay(mooncake_file, capsys):
@@ -181,6 +186,7 @@ def test_policies_compared_at_one_capacity_in_bytes(mooncake_file, capsys):
     assert main(["replay", str(p), "--block-size", "4", "--policy", "lru,arc", "--cpu-bytes", "20KiB",
                  "--order", "legacy", "--no-progress"]) == 0
     captured = capsys.readouterr()
-    rows = [line for line in captured.out.splitlines() if line.startswith("| ") and "---" not in line]
+    rates = captured.out.split("\n\n")[0]  # the hit rates' table (the costs' follows)
+    rows = [line for line in rates.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 2 and rows[1].startswith("| 5 | ") and "| arc +" in rows[1]
     assert "[arc 20480 bytes] offload prefix hit rate" in captured.err

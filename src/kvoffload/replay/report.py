@@ -247,7 +247,8 @@ def policy_table(by_policy: dict[str, list[tuple[Any, ReplayResult]]]) -> str:
     """Policies side by side (`--policy a,b,c`): one row per capacity, each
     policy's offload prefix hit rate, the best named with its gain over the
     first policy listed, and the oracles (from the first policy's replays)
-    when they were simulated."""
+    when they were simulated; then each one's manager time per block
+    reference, against the first's."""
     names = list(by_policy)
     rows = list(zip(*by_policy.values()))  # per capacity: (capacity, result) of each policy
     first = by_policy[names[0]]
@@ -268,6 +269,14 @@ def policy_table(by_policy: dict[str, list[tuple[Any, ReplayResult]]]) -> str:
         if has_oracle:
             line += f" {base.oracle.get('lru', float('nan')):.4f} | {base.oracle.get('belady', float('nan')):.4f} |"
         lines.append(line)
+    # What each costs: the managers' time per block reference in this run (replays running side by side
+    # share the machine: a rough guide; benchmarks/bench_manager.py measures it properly)
+    lines += ["", "| manager µs per block | " + " | ".join(names) + " |", "|---:|" + "---:|" * len(names)]
+    for row in rows:
+        cap = row[0][0]
+        cost = [1e6 * r.manager_s / r.counters["block_refs"] if r.counters["block_refs"] else 0.0 for _, r in row]
+        cells = [f"{cost[0]:.2f}"] + [f"{c:.2f} ({c / cost[0]:.2f}x)" if cost[0] else f"{c:.2f}" for c in cost[1:]]
+        lines.append((f"| {cap:,} | " if isinstance(cap, int) else f"| {cap} | ") + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
