@@ -190,3 +190,47 @@ def test_policies_compared_at_one_capacity_in_bytes(mooncake_file, capsys):
     rows = [line for line in rates.splitlines() if line.startswith("| ") and "---" not in line]
     assert len(rows) == 2 and rows[1].startswith("| 5 | ") and "| arc +" in rows[1]
     assert "[arc 20480 bytes] offload prefix hit rate" in captured.err
+
+
+def _storage_models(root) -> list[str]:
+    return sorted(json.loads(p.read_text())["model"] for p in root.glob("ns-*/namespace.json"))
+
+
+def test_a_sweep_with_a_storage_tier_gives_each_point_its_own_namespace(mooncake_file, tmp_path, capsys):
+    """Two points in parallel took one storage directory's lock: the second
+    died ("in use by another process"), and run one after the other, a
+    later point started with the blocks an earlier one stored."""
+    p = mooncake_file(_scan_and_hot())
+    kv = tmp_path / "kv"
+    rc = main(["replay", str(p), "--block-size", "4", "--sweep", "5,7", "--sweep-workers", "2", "--sync-tiers",
+               "--storage-dir", str(kv), "--storage-bytes", "1MiB", "--no-progress",
+               "--json", str(tmp_path / "s.json")])
+    assert rc == 0, capsys.readouterr().err
+    assert _storage_models(kv) == ["unknown (replay cpu 5)", "unknown (replay cpu 7)"]
+    points = json.loads((tmp_path / "s.json").read_text())
+    assert [pt["summary"]["tiers"]["storage"]["blocks_at_start"] for pt in points] == [0, 0]
+    # policies side by side too: one namespace per policy and capacity
+    capsys.readouterr()
+    assert main(["replay", str(p), "--block-size", "4", "--policy", "lru,arc", "--cpu-blocks", "5", "--sync-tiers",
+                 "--storage-dir", str(tmp_path / "kv2"), "--storage-bytes", "1MiB", "--no-progress"]) == 0
+    assert _storage_models(tmp_path / "kv2") == ["unknown (replay arc, cpu as asked)",
+                                                 "unknown (replay lru, cpu as asked)"]
+
+
+def test_a_replay_that_starts_with_an_earlier_runs_blocks_says_so(mooncake_file, tmp_path, capsys):
+    """The storage tier keeps its blocks across runs (an engine's restart);
+    a second replay into the same directory starts warm, and its report says
+    how many blocks it found."""
+    p = mooncake_file(_scan_and_hot())
+    args = ["replay", str(p), "--block-size", "4", "--cpu-blocks", "5", "--sync-tiers", "--storage-dir",
+            str(tmp_path / "kv"), "--storage-bytes", "1MiB", "--no-progress"]
+    assert main(args + ["--json", str(tmp_path / "1.json")]) == 0
+    assert "already held" not in capsys.readouterr().out
+    assert main(args + ["--json", str(tmp_path / "2.json")]) == 0
+    out = capsys.readouterr().out
+    first, second = (json.loads((tmp_path / f"{i}.json").read_text())["summary"] for i in (1, 2))
+    assert first["tiers"]["storage"]["blocks_at_start"] == 0 and first["tiers"]["cpu"]["blocks_at_start"] == 0
+    held = second["tiers"]["storage"]["blocks_at_start"]
+    assert held == first["tiers"]["storage"]["stored_blocks"] - first["tiers"]["storage"].get("evictions", 0) > 0
+    assert f"{held:,} blocks already held (an earlier run's: this replay started warm)" in out
+    assert second["offload_prefix_hit_rate"] > first["offload_prefix_hit_rate"]

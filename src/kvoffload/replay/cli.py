@@ -272,7 +272,13 @@ def _load_requests(args) -> Trace:
     return trace
 
 
-def build_options(args, trace: Trace, cpu_blocks: str | None = None, policy: str | None = None):
+def build_options(args, trace: Trace, cpu_blocks: str | None = None, policy: str | None = None,
+                  point: str | None = None):
+    """The engine's options for one replay. `point` names one replay of
+    several (a --sweep's capacity, a --policy list's policy): the tiers
+    below CPU keep their blocks under a namespace of their own for it, so
+    replays running side by side neither share a storage directory (its
+    lock) nor serve each other's blocks."""
     from kvoffload.replay.engine import EngineOptions
 
     extra: dict[str, Any] = {"eviction_policy": policy or policy_list(args.policy)[0]}
@@ -291,6 +297,11 @@ def build_options(args, trace: Trace, cpu_blocks: str | None = None, policy: str
     if args.offload_prompt_only is not None:
         extra["offload_prompt_only"] = args.offload_prompt_only
     extra.update(_extra_kv(args.extra))
+    if point is not None and any(extra.get(k) for k in ("storage_dir", "remote_url", "secondary_tiers")):
+        ns = extra.get("namespace")
+        ns = dict(ns) if isinstance(ns, dict) else {}  # (not a mapping: the spec names the error)
+        ns["model"] = f"{ns.get('model', 'unknown')} (replay {point})"
+        extra["namespace"] = ns
     spec = args.spec or ("tiered" if (args.storage_dir or args.remote_url) else "cpu")
     kv = args.kv_bytes_per_token or MODEL_PRESETS[args.model or "tiny"]
     return EngineOptions(
@@ -338,7 +349,8 @@ def _compare(args, trace: Trace, policies: list[str]) -> dict[str, list]:
 
     caps = sweep_points(args.sweep) if args.sweep else [None]
     runs = [(p, c) for p in policies for c in caps]
-    options = [build_options(args, trace, cpu_blocks=c, policy=p) for p, c in runs]
+    options = [build_options(args, trace, cpu_blocks=c, policy=p, point=f"{p}, cpu {c or 'as asked'}")
+               for p, c in runs]
     sizes = [check_engine_memory(trace, o) for o in options]
     labels = []
     for (p, _), o in zip(runs, options):
@@ -398,7 +410,7 @@ def _run(args) -> int:
             print(report.policy_table(by_policy))
         elif args.sweep:
             caps = sweep_points(args.sweep)
-            options = [build_options(args, trace, cpu_blocks=c) for c in caps]
+            options = [build_options(args, trace, cpu_blocks=c, point=f"cpu {c}") for c in caps]
             sizes = []
             for c, opts in zip(caps, options):
                 sizes.append(check_engine_memory(trace, opts))

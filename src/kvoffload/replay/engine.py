@@ -258,6 +258,11 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
         done = 0
         sample_at = max(1, total // max(1, opts.samples))
         bar = _progress(total, opts, self.trace.name)
+        # What the tiers hold before the first request: a storage tier opens
+        # with the blocks an earlier run left in its directory (a warm start)
+        self._collect_stats()
+        for t in self._tiers.values():
+            t["blocks_at_start"] = int(t["gauges"].get("used_blocks", 0))
         now = 0.0
         t_start = time.perf_counter()
         cpu_start = time.process_time()

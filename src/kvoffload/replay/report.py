@@ -109,6 +109,7 @@ def tier_rows(r: ReplayResult) -> dict[str, dict[str, Any]]:
             "served_blocks": served,
             "lookup_hit_rate": lookup_hit_rate(tc),
             "capacity_blocks": t["gauges"].get("capacity_blocks"),
+            "blocks_at_start": t.get("blocks_at_start", 0),
             **{k: tc[k] for k in ("lookups", "hits", "hits_pending", "stored_blocks", "loaded_blocks",
                                   "promoted_blocks", "evictions", "allocation_failures", "dropped_stores",
                                   "checksum_failures") if k in tc},
@@ -159,6 +160,9 @@ def _rows(r: ReplayResult) -> list[tuple[str, str]]:
                      f"{tier['lookup_hit_rate']:.4f}), capacity "
                      f"{_fmt(int(cap)) + ' blocks' if cap else 'n/a'}, stored {_fmt(tier.get('stored_blocks', 0))}, "
                      f"evictions {_fmt(tier.get('evictions', 0))}"))
+        if tier["blocks_at_start"]:
+            rows.append(("    at the start", f"{_fmt(tier['blocks_at_start'])} blocks already held (an earlier "
+                                            "run's: this replay started warm)"))
         if "belady_headroom" in tier:
             scope = f"tier {name}" if len(s["tiers"]) == 1 else f"tiers down to {name} together"
             rows.append((f"    vs Belady at {_fmt(int(tier['belady_capacity_blocks']))} blocks",
