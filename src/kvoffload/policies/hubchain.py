@@ -192,9 +192,10 @@ class HubChainPolicy(SegChainPolicy):
     # mean against best(LRU, ARC): gain 1 -0.0003, 2 +0.0010, 4 +0.0019; on
     # the table's other rows 2 and 4 choose alike). Version 15: 8, the trend
     # taken one step on: multisys-judge12 at 1% (-0.0020 with 4, -0.0019
-    # with 6) gives ARC's rate, and on the 354 seen rows no row moves by
-    # more than 0.0021 (rag-judge9 at 5% -0.0048 -> -0.0033, still failing;
-    # 12 and 16 no better there).
+    # with 6) gives ARC's rate; on the 354 seen rows 32 rows move (chat,
+    # multisys, rag), 24 up, by -0.0014 to +0.0024 (rag-judge9 at 5% -0.0048
+    # -> -0.0033, still failing; 12 and 16 no better there). judge16: 24 of
+    # 24 (with 4, rag-judge16 at 10% fails, -0.0035).
     HEAD_GAIN = 8.0
     # The split's target stands while the sampled reuses this cache hit beyond
     # LRU's life are at least this many times those it missed within it
