@@ -268,8 +268,7 @@ def policy_table(by_policy: dict[str, list[tuple[Any, ReplayResult]]]) -> str:
         rates = [summary(r)["offload_prefix_hit_rate"] for _, r in row]
         best = max(range(len(rates)), key=rates.__getitem__)  # a tie: the first listed
         cells = [f"**{x:.4f}**" if i == best else f"{x:.4f}" for i, x in enumerate(rates)]
-        line = f"| {cap:,} | " if isinstance(cap, int) else f"| {cap} | "
-        line += " | ".join(cells) + f" | {names[best]} {rates[best] - rates[0]:+.4f} |"
+        line = f"| {_cap(cap)} | " + " | ".join(cells) + f" | {names[best]} {rates[best] - rates[0]:+.4f} |"
         if has_oracle:
             line += f" {base.oracle.get('lru', float('nan')):.4f} | {base.oracle.get('belady', float('nan')):.4f} |"
         lines.append(line)
@@ -280,8 +279,13 @@ def policy_table(by_policy: dict[str, list[tuple[Any, ReplayResult]]]) -> str:
         cap = row[0][0]
         cost = [1e6 * r.manager_s / r.counters["block_refs"] if r.counters["block_refs"] else 0.0 for _, r in row]
         cells = [f"{cost[0]:.2f}"] + [f"{c:.2f} ({c / cost[0]:.2f}x)" if cost[0] else f"{c:.2f}" for c in cost[1:]]
-        lines.append((f"| {cap:,} | " if isinstance(cap, int) else f"| {cap} | ") + " | ".join(cells) + " |")
+        lines.append(f"| {_cap(cap)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _cap(cap: Any) -> str:
+    """A capacity cell: blocks with thousands separators, else as given."""
+    return f"{cap:,}" if isinstance(cap, int) else str(cap)
 
 
 def plot_policies(by_policy: dict[str, list[tuple[Any, ReplayResult]]], path: str | Path, title: str = "") -> None:
@@ -290,8 +294,8 @@ def plot_policies(by_policy: dict[str, list[tuple[Any, ReplayResult]]], path: st
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 4.5))
     first = next(iter(by_policy.values()))
-    caps = [i for i in range(len(first))]
-    ticks = [str(cap) if not isinstance(cap, int) else f"{cap:,}" for cap, _ in first]
+    caps = list(range(len(first)))  # evenly spaced, labelled with the capacities
+    ticks = [_cap(cap) for cap, _ in first]
     for name, points in by_policy.items():
         ax.plot(caps, [summary(r)["offload_prefix_hit_rate"] for _, r in points], "o-", label=name)
     if all(r.oracle for _, r in first):
