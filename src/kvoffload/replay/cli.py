@@ -298,10 +298,9 @@ def build_options(args, trace: Trace, cpu_blocks: str | None = None, policy: str
         extra["offload_prompt_only"] = args.offload_prompt_only
     extra.update(_extra_kv(args.extra))
     if point is not None and any(extra.get(k) for k in ("storage_dir", "remote_url", "secondary_tiers")):
-        ns = extra.get("namespace")
-        ns = dict(ns) if isinstance(ns, dict) else {}  # (not a mapping: the spec names the error)
-        ns["model"] = f"{ns.get('model', 'unknown')} (replay {point})"
-        extra["namespace"] = ns
+        ns = extra.get("namespace", {})
+        if isinstance(ns, dict):  # (else left as given: the spec names the error)
+            extra["namespace"] = {**ns, "model": f"{ns.get('model', 'unknown')} (replay {point})"}
     spec = args.spec or ("tiered" if (args.storage_dir or args.remote_url) else "cpu")
     kv = args.kv_bytes_per_token or MODEL_PRESETS[args.model or "tiny"]
     return EngineOptions(
