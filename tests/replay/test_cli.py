@@ -234,3 +234,12 @@ def test_a_replay_that_starts_with_an_earlier_runs_blocks_says_so(mooncake_file,
     assert held == first["tiers"]["storage"]["stored_blocks"] - first["tiers"]["storage"].get("evictions", 0) > 0
     assert f"{held:,} blocks already held (an earlier run's: this replay started warm)" in out
     assert second["offload_prefix_hit_rate"] > first["offload_prefix_hit_rate"]
+
+
+def test_a_bad_namespace_in_a_sweep_with_a_storage_tier_is_named(mooncake_file, tmp_path, capsys):
+    """The sweep's own namespace per point must not hide a bad one given with --extra."""
+    p = mooncake_file([[1, 2], [1, 3]])
+    assert main(["replay", str(p), "--block-size", "4", "--sweep", "2,3", "--storage-dir", str(tmp_path / "kv"),
+                 "--storage-bytes", "1MiB", "--extra", "namespace=3", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "namespace must be a mapping, got 3" in err and len(err.strip().splitlines()) == 1

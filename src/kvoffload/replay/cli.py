@@ -340,29 +340,33 @@ def _stop_observability(args) -> None:
         args._events.close()
 
 
-def _compare(args, trace: Trace, policies: list[str]) -> dict[str, list]:
-    """Each policy at each capacity (the --sweep's, else the one asked for):
-    {policy: [(capacity, result), ...]}. The oracles do not depend on the
-    policy: only the first policy's replays simulate them."""
+def _replays(args, trace: Trace, policies: list[str]) -> dict[str, list]:
+    """Several replays of one command: each policy at each capacity (the
+    --sweep's, else the one asked for), in parallel processes as the cores
+    and the memory allow: {policy: [(capacity, result), ...]}. The oracles
+    do not depend on the policy: only the first policy's replays simulate them."""
     from kvoffload.replay import report
 
     caps = sweep_points(args.sweep) if args.sweep else [None]
     runs = [(p, c) for p in policies for c in caps]
-    options = [build_options(args, trace, cpu_blocks=c, policy=p, point=f"{p}, cpu {c or 'as asked'}")
-               for p, c in runs]
-    sizes = [check_engine_memory(trace, o) for o in options]
-    labels = []
-    for (p, _), o in zip(runs, options):
-        labels.append(f"[{p} {_capacity(o)}]")
+    several = len(policies) > 1
+    options, labels = [], []
+    for p, c in runs:
+        o = build_options(args, trace, cpu_blocks=c, policy=p,
+                          point=f"{p}, cpu {c or 'as asked'}" if several else f"cpu {c}")
+        labels.append(f"[{p} {_capacity(o)}]" if several else f"[{c}]")
         o.progress_label = labels[-1]
+        options.append(o)
+    sizes = [check_engine_memory(trace, o) for o in options]
 
     def done(i: int, r) -> None:
         print(f"{labels[i]} offload prefix hit rate {report.summary(r)['offload_prefix_hit_rate']:.4f}",
               file=sys.stderr)
 
+    # as many at once as the memory holds, the biggest together
     workers = fit_workers(sizes, args.sweep_workers or default_workers(len(options)), memory_available())
-    oracle = [args.oracle and i < len(caps) for i in range(len(runs))]
-    results = run_sweep(trace, options, oracle, workers, done)
+    oracles = [args.oracle and i < len(caps) for i in range(len(runs))]
+    results = run_sweep(trace, options, oracles, workers, done)
     by_policy: dict[str, list] = {p: [] for p in policies}
     for (p, _), o, r in zip(runs, options, results):
         by_policy[p].append((_capacity(o, r), r))
@@ -403,26 +407,13 @@ def _run(args) -> int:
         trace = _load(args)
         policies = policy_list(args.policy)
         if len(policies) > 1:
-            by_policy = _compare(args, trace, policies)
+            by_policy = _replays(args, trace, policies)
             results = [r for points in by_policy.values() for _, r in points]
             points = []
             print(report.policy_table(by_policy))
         elif args.sweep:
-            caps = sweep_points(args.sweep)
-            options = [build_options(args, trace, cpu_blocks=c, point=f"cpu {c}") for c in caps]
-            sizes = []
-            for c, opts in zip(caps, options):
-                sizes.append(check_engine_memory(trace, opts))
-                opts.progress_label = f"[{c}]"
-
-            def done(i: int, r) -> None:
-                print(f"[{caps[i]}] offload prefix hit rate {report.summary(r)['offload_prefix_hit_rate']:.4f}",
-                      file=sys.stderr)
-
-            # as many at once as the memory holds, the biggest together
-            workers = fit_workers(sizes, args.sweep_workers or default_workers(len(options)), memory_available())
-            results = run_sweep(trace, options, args.oracle, workers, done)
-            points = [(o.extra_config["num_cpu_chunks"], r) for o, r in zip(options, results)]
+            points = _replays(args, trace, policies)[policies[0]]
+            results = [r for _, r in points]
             print(report.sweep_table(points))
         else:
             opts = build_options(args, trace)

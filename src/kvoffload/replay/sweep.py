@@ -66,15 +66,14 @@ def _replay_forked(opts, oracle: bool):
     return replay_once(_TRACE, opts, oracle)
 
 
-def run_sweep(trace: Trace, options: list, oracle: bool | list[bool], workers: int,
+def run_sweep(trace: Trace, options: list, oracles: list[bool], workers: int,
               done: Callable[[int, object], None]) -> list:
-    """Replay each of `options` (in `workers` processes at most); done(i, result)
-    is called in the options' order as results come in. `oracle`: simulate
-    the oracles beside every replay, or (a list) beside those marked. Runs in
-    this process when one worker is asked for, when an option holds live
-    objects (a metrics endpoint or event publisher shared by every replay),
-    or where processes cannot be forked."""
-    oracles = oracle if isinstance(oracle, list) else [oracle] * len(options)
+    """Replay each of `options` (in `workers` processes at most), the
+    oracles simulated beside those marked in `oracles`; done(i, result) is
+    called in the options' order as results come in. Runs in this process
+    when one worker is asked for, when an option holds live objects (a
+    metrics endpoint or event publisher shared by every replay), or where
+    processes cannot be forked."""
     shared = any(o.metrics is not None or o.events is not None for o in options)
     if workers <= 1 or len(options) <= 1 or shared or "fork" not in multiprocessing.get_all_start_methods():
         results = []
