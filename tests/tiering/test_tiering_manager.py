@@ -235,6 +235,76 @@ def test_one_secondary_hit_promotes_the_rest_of_the_prefix(rig):
     r.mgr.complete_load(keys, again)
 
 
+def _in_storage_only(r, ctx, keys, filler):
+    """Store keys, then push them out of CPU with filler (storage keeps both)."""
+    for k in keys + filler:
+        r.gpu_store([k], ctx)
+        r.settle()
+    assert all(r.cpu.slot_of(k) is None for k in keys)
+
+
+def test_a_promotion_is_held_for_its_request_until_it_loads(rig):
+    """Two requests whose prefixes do not fit in CPU together: the second's
+    promotion must not evict what was promoted for the first before the
+    first loads it (they took turns evicting each other's promotions, so
+    vLLM's scheduler retried both forever: a chat replay spun 22 s on one
+    request, one chunk promoted 2,901 times)."""
+    r = rig(cpu_chunks=4)
+    writer = r.request("w")
+    a_keys, b_keys = [key(i) for i in range(2)], [key(i) for i in range(10, 13)]
+    _in_storage_only(r, writer, a_keys + b_keys, [key(i) for i in range(20, 24)])
+    a, b = r.request("a"), r.request("b")
+    for ctx, keys in ((a, a_keys), (b, b_keys)):
+        for pos, k in enumerate(keys):
+            ctx.set_offload_key_position(k, (pos + 1) * 16)
+    assert r.mgr.lookup(a_keys[0], a) is PENDING
+    r.settle()  # a's prefix lands in CPU
+    assert r.mgr.lookup(b_keys[0], b) is PENDING
+    r.settle()  # b's first two (half of CPU at a time)
+    assert [r.mgr.lookup(k, b) for k in b_keys] == [HIT, HIT, PENDING]
+    r.settle()  # b's third finds no slot: a's are held for a, b's own two protected
+    assert [r.mgr.lookup(k, b) for k in b_keys] == [HIT, HIT, MISS]  # b computes the rest
+    assert [r.mgr.lookup(k, a) for k in a_keys] == [HIT, HIT]
+    r.mgr.prepare_load(a_keys, a)  # a's load pins them; the hold is dropped
+    assert r.cpu.get_stats().gauges["pinned_blocks"] == 4  # a's 2 loading, b's 2 held
+    r.mgr.complete_load(a_keys, a)
+    r.mgr.on_request_finished(a)
+    r.mgr.on_request_finished(b)  # never loaded what was promoted for it: released
+    assert r.cpu.get_stats().gauges["pinned_blocks"] == 0
+    assert not r.mgr.tracks("a") and not r.mgr.tracks("b")
+
+
+def test_a_request_that_computes_instead_drops_its_holds(rig):
+    """vLLM loads before it computes: a request storing (its lookups ended
+    at a miss elsewhere, or it gave up waiting) will never load what was
+    promoted for it, so the hold must not keep CPU from others until it
+    finishes."""
+    r = rig(cpu_chunks=4)
+    writer = r.request("w")
+    _in_storage_only(r, writer, [key(0)], [key(i) for i in range(20, 24)])
+    a = r.request("a")
+    assert r.mgr.lookup(key(0), a) is PENDING
+    r.settle()
+    assert r.cpu.get_stats().gauges["pinned_blocks"] == 1
+    r.gpu_store([key(30)], a)  # computing
+    r.settle()  # (its cascade to storage pinned key 30 until it landed)
+    assert r.cpu.get_stats().gauges["pinned_blocks"] == 0
+    assert r.mgr.lookup(key(0), a) is HIT  # still there, just evictable
+
+
+def test_a_reset_releases_the_holds_before_fencing_what_is_pinned(rig):
+    r = rig(cpu_chunks=4)
+    writer = r.request("w")
+    _in_storage_only(r, writer, [key(0)], [key(i) for i in range(20, 24)])
+    a = r.request("a")
+    assert r.mgr.lookup(key(0), a) is PENDING
+    r.settle()
+    r.mgr.reset_cache()  # the hold is ours, read by no engine job: released, not fenced
+    assert r.cpu.get_stats().gauges["fenced_blocks"] == 0
+    r.mgr.on_request_finished(a)
+    assert r.cpu.get_stats().gauges["pinned_blocks"] == 0
+
+
 # ---- vLLM's call order: finishing before completions, resets ----------------
 
 

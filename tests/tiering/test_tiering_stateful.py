@@ -9,7 +9,8 @@ stores complete, a reset's dropped stores may still write their slots
   - every slot is held by a key, free, or fenced by a reset, exactly once;
   - CPU pending slots are exactly the engine's store jobs in flight plus the
     manager's promotions in flight; pin counts exactly the engine's loads
-    plus the manager's cascades;
+    plus the manager's cascades plus the promotions held for running
+    requests that have not loaded them yet;
   - every readable CPU key holds its own bytes (a late write to a reused
     slot, or a promotion of wrong bytes, would show here);
   - the storage tier gets no call for a request after its
@@ -271,7 +272,11 @@ class TieringMachine(RuleBasedStateMachine):
         pending = {k for k, s in cpu._slot_of.items() if cpu._state[s] == WRITING}
         assert pending == {k for _, keys, _ in self.stores for k in keys} | set(promoting)
         pins = Counter({k: cpu._state[s] for k, s in cpu._slot_of.items() if 0 < cpu._state[s] < WRITING})
-        assert pins == Counter(k for _, keys in self.loads for k in keys) + cascading
+        # promotions landed for a request, held until it loads them: running requests' only
+        holds = {rid: st.held for rid, st in self.mgr._requests.items() if st.held}
+        assert set(holds) <= set(self.running), "a finished request still holds promoted chunks"
+        held = Counter(k for keys in holds.values() for k in keys)
+        assert pins == Counter(k for _, keys in self.loads for k in keys) + cascading + held
         assert cpu._num_pinned == len(pins) and cpu._num_pending == len(pending)
 
     @invariant()

@@ -131,6 +131,8 @@ class TieringManager(OffloadingManager):
         st = self._requests.get(req_context.req_id)
         if st is None:
             st = RequestState([False] * len(self.tiers))
+        if st.held:  # promoted for it, never loaded
+            self._unhold(st, list(st.held))
         st.finished = True  # the children hear of it once its stores and jobs land
         self._maybe_finish(req_context, st)
 
@@ -150,7 +152,16 @@ class TieringManager(OffloadingManager):
     # ---- loads (CPU -> GPU: the primary's) ---------------------------------
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext):
-        return self.primary.prepare_load(keys, req_context)
+        spec = self.primary.prepare_load(keys, req_context)
+        st = self._requests.get(req_context.req_id)
+        if st is not None and st.held:  # the load pins them now: drop the promotion's hold
+            self._unhold(st, [k for k in dict.fromkeys(keys) if k in st.held])
+        return spec
+
+    def _unhold(self, st: RequestState, keys: list[OffloadKey]) -> None:
+        for k in keys:
+            del st.held[k]
+        self.primary.release(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
         self.primary.complete_load(keys, req_context)
@@ -172,13 +183,15 @@ class TieringManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         out = self.primary.prepare_store(keys, req_context)
+        st = self._requests.get(req_context.req_id)
+        if st is not None and st.held:  # it computes now: what it did not load, it never will
+            self._unhold(st, list(st.held))
         if out is None:
             return None  # refused: not an offer, and nothing will complete
         if self._admitting:
             offered = list(dict.fromkeys(keys))
             for _, t in self._admitting:
                 t.admission.offer(offered)  # written down when admitted and stored (complete_store)
-        st = self._requests.get(req_context.req_id)
         if out.keys_to_store and not self._done(req_context):
             if st is None:
                 st = self._state(req_context)
@@ -270,8 +283,12 @@ class TieringManager(OffloadingManager):
         st = self._requests.get(job.ctx.req_id)
         if st is None:
             return
-        if not success and not job.is_store:
-            st.failed.update(job.keys)
+        if not job.is_store:
+            if not success:
+                st.failed.update(job.keys)
+            elif not st.finished:  # landed: held for it until it loads them (RequestState.held)
+                self.primary.prepare_load(job.keys, None)
+                st.held.update(dict.fromkeys(job.keys))
         st.jobs -= 1
         self._maybe_finish(job.ctx, st)
 
@@ -342,6 +359,9 @@ class TieringManager(OffloadingManager):
         self.wait_idle()
         self.jobs.new_epoch()
         self.promotions.clear()
+        for st in self._requests.values():  # ours, read by no engine job: not to be fenced
+            if st.held:
+                self._unhold(st, list(st.held))
         self.primary.reset_cache()
         for t in self.tiers:
             t.manager.reset_cache()

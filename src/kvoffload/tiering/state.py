@@ -14,6 +14,12 @@ class RequestState:
     # keys it found readable in CPU: its promotions must not evict them, or a
     # prefix longer than what CPU can spare would never be resident at once
     cpu_hits: dict[OffloadKey, None] = field(default_factory=dict)
+    # chunks promoted for it, pinned in CPU until it loads them (or stores,
+    # i.e. computes: then it never will, vLLM loads before computing) or
+    # finishes: else another request's promotion may evict them first, and
+    # two requests whose prefixes do not fit in CPU together take turns
+    # evicting each other's promotions, neither ever getting its prefix
+    held: dict[OffloadKey, None] = field(default_factory=dict)
     jobs: int = 0  # secondary jobs in flight for this request
     # primary (GPU -> CPU) store jobs in flight: each may cascade when it
     # completes, so the children hear on_request_finished only after the last

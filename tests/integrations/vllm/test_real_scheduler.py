@@ -13,7 +13,8 @@ After every step our CPU tier's write-pending slots must be exactly the
 keys of vLLM's in-flight store jobs, and its pinned slots (with their pin
 counts) the keys of vLLM's in-flight load jobs, plus, for the tiered
 spec, those of its own secondary jobs (promotions write CPU slots,
-cascades read them). After a reset vLLM completes none of its stale jobs
+cascades read them) and the promotions it holds for requests that have
+not loaded them yet. After a reset vLLM completes none of its stale jobs
 (it drops them), so they must not hold slots afterwards. At the end every
 request has been served, and nothing is pinned, pending or left per
 request.
@@ -137,20 +138,21 @@ def vllm_config(model_dir, extra: dict, async_scheduling: bool) -> VllmConfig:
     )
 
 
-def kv_cache_config() -> KVCacheConfig:
-    """A hybrid model: a full-attention group and a sliding-window group."""
+def kv_cache_config(hybrid: bool = True) -> KVCacheConfig:
+    """A hybrid model: a full-attention group and a sliding-window group
+    (hybrid=False: the full-attention group alone)."""
     kw = dict(block_size=GPU_BLOCK, num_kv_heads=1, head_size=8, dtype=torch.float32)
-    return KVCacheConfig(num_blocks=NUM_GPU_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
-        KVCacheGroupSpec(["layer0"], FullAttentionSpec(**kw)),
-        KVCacheGroupSpec(["layer1"], SlidingWindowSpec(**kw, sliding_window=WINDOW)),
-    ])
+    groups = [KVCacheGroupSpec(["layer0"], FullAttentionSpec(**kw))]
+    if hybrid:
+        groups.append(KVCacheGroupSpec(["layer1"], SlidingWindowSpec(**kw, sliding_window=WINDOW)))
+    return KVCacheConfig(num_blocks=NUM_GPU_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups)
 
 
 class Engine:
-    def __init__(self, model_dir, extra: dict, seed: int, async_scheduling: bool):
+    def __init__(self, model_dir, extra: dict, seed: int, async_scheduling: bool, hybrid: bool = True):
         self.rng = random.Random(seed)
         config = vllm_config(model_dir, extra, async_scheduling)
-        kv_config = kv_cache_config()
+        kv_config = kv_cache_config(hybrid)
         config.cache_config.num_gpu_blocks = NUM_GPU_BLOCKS
         # The worker first: in one process the scheduler's manager pairs with
         # the worker already built (tiers below CPU read its host pool).
@@ -263,6 +265,8 @@ def expected_cpu_slots(engine: Engine) -> tuple[set[bytes], Counter]:
         else:
             writes.update(job.keys)
             engine.saw_promotions = True
+    for st in getattr(engine.manager, "_requests", {}).values():  # promoted, held until loaded
+        reads.update(list(st.held))
     return writes, reads
 
 
@@ -356,6 +360,52 @@ def test_vllm_scheduler_and_connector_drive_our_spec(spec, async_scheduling, mod
         left = sorted(getattr(engine.manager, "_requests", {}))
         assert not left, f"per-request state left for {len(left)} finished requests, e.g. {left[:5]}"
         assert not engine.manager.has_pending_work()
+    finally:
+        engine.worker.shutdown()
+        scheduler.shutdown()
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_requests_whose_prefixes_outgrow_cpu_together_are_all_served(async_scheduling, model_dir, tmp_path):
+    """Prompts of 12 chunks each, stored to disk through a CPU tier of 8,
+    then sent again all at once (the GPU's prefix cache reset): each can
+    have at most 8 promoted, and each one's promotions are what the others
+    would evict. vLLM's scheduler retries a request whose lookup is pending
+    every step, so before promotions were held for their request until it
+    loaded them, the requests took turns evicting each other's promotions
+    and none was ever served."""
+    extra = {"kvoffload_spec": "tiered", "num_cpu_chunks": 8,
+             "secondary_tiers": [{"type": "storage", "path": str(tmp_path / "kv"), "capacity_bytes": "1MiB"}]}
+    # full attention only: a sliding-window group's lookups would end the hits at its own miss
+    engine = Engine(model_dir, extra, seed=3, async_scheduling=async_scheduling, hybrid=False)
+    rng = random.Random(5)
+    chunk = GPU_BLOCK * BLOCKS_PER_CHUNK
+    prompts = [[rng.randrange(VOCAB) for _ in range(12 * chunk + 5)] for _ in range(4)]
+    scheduler = engine.scheduler
+
+    def serve(limit: int) -> None:
+        start = engine.steps
+        while scheduler.has_requests() or engine.flush():
+            assert engine.steps - start < limit, (
+                f"requests unserved after {limit} steps: "
+                f"{[(r.request_id, r.status.name, r.num_computed_tokens) for r in scheduler.requests.values()]}")
+            engine.step()
+            check_slots(engine, f"step {engine.steps}")
+
+    try:
+        for i, prompt in enumerate(prompts):  # one at a time: each is stored, CPU -> disk
+            engine.add(f"first{i}", prompt, 2)
+            serve(200)
+        engine.manager.wait_idle()
+        assert scheduler.reset_prefix_cache()  # the GPU's copies gone: disk serves them
+        for i, prompt in enumerate(prompts):
+            engine.add(f"again{i}", prompt, 2)
+        serve(400)  # each needs ~10 steps alone
+        assert engine.saw_promotions and engine.saw_loads
+        engine.manager.wait_idle()
+        assert not engine.manager._requests and not engine.manager.has_pending_work()
+        pending, pinned = pending_and_pinned(cpu_tier(engine.manager))
+        assert not pending and not pinned
     finally:
         engine.worker.shutdown()
         scheduler.shutdown()
