@@ -82,8 +82,9 @@ def _check_requests(calls):
     return finished
 
 
-def test_calls_follow_vllms_step_order():
-    result, calls, gauges, stuck = _run(_engine())
+@pytest.mark.parametrize("max_batched_tokens", [0, 96], ids=["whole-prompts", "chunked-prefill"])
+def test_calls_follow_vllms_step_order(max_batched_tokens):
+    result, calls, gauges, stuck = _run(_engine(max_batched_tokens=max_batched_tokens))
     _check_end(result, gauges, stuck)
     finished = _check_requests(calls)
     assert len(finished) == result.counters["requests"]
@@ -108,8 +109,9 @@ def test_calls_follow_vllms_step_order():
     assert late > 0, "no request finished before its stores landed"
 
 
-def test_preemption_and_aborts():
-    result, calls, gauges, stuck = _run(_engine(preempt_every=3, abort_every=4))
+@pytest.mark.parametrize("max_batched_tokens", [0, 96], ids=["whole-prompts", "chunked-prefill"])
+def test_preemption_and_aborts(max_batched_tokens):
+    result, calls, gauges, stuck = _run(_engine(preempt_every=3, abort_every=4, max_batched_tokens=max_batched_tokens))
     c = result.counters
     assert c["preemptions"] > 0 and c["aborts"] > 0
     _check_end(result, gauges, stuck)
@@ -120,9 +122,11 @@ def test_preemption_and_aborts():
     assert loads_after
 
 
+@pytest.mark.parametrize("max_batched_tokens", [0, 96], ids=["whole-prompts", "chunked-prefill"])
 @pytest.mark.parametrize("spec", ["cpu", "tiered"])
-def test_resets_follow_vllms_contract(tmp_path, spec):
-    result, calls, gauges, stuck = _run(_engine(tmp_path, spec, reset_every=7, abort_every=5))
+def test_resets_follow_vllms_contract(tmp_path, spec, max_batched_tokens):
+    result, calls, gauges, stuck = _run(_engine(tmp_path, spec, reset_every=7, abort_every=5,
+                                                max_batched_tokens=max_batched_tokens))
     c = result.counters
     assert c["resets"] > 0 and c["stale_completions"] > 0
     _check_end(result, gauges, stuck)
@@ -147,6 +151,36 @@ def test_bad_order_options_are_refused(mooncake_file):
 
     tr = load_trace(mooncake_file([[1]]), block_size=4)
     for kw, match in (({"order": "fifo"}, "order must be"), ({"reset_every": -1}, "reset_every"),
-                      ({"order": "legacy", "abort_every": 2}, "needs order 'vllm'")):
+                      ({"order": "legacy", "abort_every": 2}, "needs order 'vllm'"),
+                      ({"max_batched_tokens": 3}, r"at least one block \(4 tokens\), got 3"),
+                      ({"max_batched_tokens": -4}, "max_batched_tokens must be"),
+                      ({"order": "legacy", "max_batched_tokens": 8}, "needs order 'vllm'")):
         with pytest.raises(ConfigError, match=match):
             ReplayEngine(tr, EngineOptions(extra_config={"num_cpu_chunks": 4}, progress=False, **kw))
+
+
+def test_chunked_prefill_stores_a_prompt_a_chunk_a_step(mooncake_file):
+    """vLLM computes a long prompt over several steps (its token budget) and
+    its connector stores each step's blocks then: a prompt longer than the
+    CPU tier is stored as it goes, the tier evicting its own earlier chunks,
+    where a whole-prompt step asks for more slots than the tier has and is
+    refused (and offered again every step, never fitting)."""
+    from kvoffload.replay.traces import load_trace
+
+    tr = load_trace(mooncake_file([list(range(1, 11))], block_size=4), block_size=4)
+
+    def run(max_batched_tokens):
+        engine = ReplayEngine(tr, EngineOptions(extra_config={"num_cpu_chunks": 6}, progress=False,
+                                                max_batched_tokens=max_batched_tokens))
+        result, calls, gauges, stuck = _run(engine)
+        assert gauges["pinned_blocks"] == 0 and gauges["pending_blocks"] == 0 and not stuck
+        stores = [(step, len(keys)) for _, step, name, _, keys in calls if name == "prepare_store"]
+        return result.counters, stores
+
+    c, stores = run(12)  # 3 blocks a step
+    assert [n for _, n in stores[:4]] == [3, 3, 3, 1]
+    assert [s for s, _ in stores[:4]] == sorted({s for s, _ in stores[:4]})  # one chunk a step
+    assert c["allocation_failures"] == 0 and c["evicted_blocks"] == 4  # the tier keeps the last 6
+    assert c["recomputed_tokens"] == 40  # every token once, chunked or not
+    c, stores = run(0)
+    assert stores[0][1] == 10 and c["allocation_failures"] >= 1 and c["evicted_blocks"] == 0

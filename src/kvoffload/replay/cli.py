@@ -71,6 +71,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--gpu-blocks", type=int, default=0,
                    help="GPU prefix cache size in blocks (0: the trace README's reference semantics)")
     e.add_argument("--max-running", type=int, default=1, help="requests in flight at once (default 1)")
+    e.add_argument("--max-batched-tokens", type=int, default=0,
+                   help="prompt tokens computed per step (vLLM's chunked prefill; vLLM's default is 8192): a "
+                        "long prompt is stored a chunk a step, as vLLM stores it (default 0: each prompt "
+                        "whole in one step)")
     e.add_argument("--model", choices=sorted(MODEL_PRESETS), help="KV bytes per token of a model")
     e.add_argument("--kv-bytes-per-token", type=int, help="KV bytes per token (default 16: fast)")
     e.add_argument("--arrival", choices=("asap", "trace"), default="asap",
@@ -305,7 +309,7 @@ def build_options(args, trace: Trace, cpu_blocks: str | None = None, policy: str
     kv = args.kv_bytes_per_token or MODEL_PRESETS[args.model or "tiny"]
     return EngineOptions(
         spec=spec, extra_config=extra, kv_bytes_per_token=kv, gpu_blocks=args.gpu_blocks,
-        max_running=args.max_running, arrival=args.arrival, time_compression=args.time_compression,
+        max_running=args.max_running, max_batched_tokens=args.max_batched_tokens, arrival=args.arrival, time_compression=args.time_compression,
         prefill_tokens_per_s=args.prefill_tokens_per_s, strict=args.strict, verify=args.verify,
         sync_tiers=args.sync_tiers, copy_thread=args.copy_thread,
         progress=not args.no_progress, metrics=getattr(args, "_metrics", None),

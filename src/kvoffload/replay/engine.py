@@ -64,6 +64,12 @@ class EngineOptions:
     time_compression: float = 1.0
     prefill_tokens_per_s: float = 10_000.0
     max_delay_steps: int = 1000  # then a pending lookup counts as a miss
+    # vLLM's chunked prefill (vllm order): prompt tokens computed per step, so
+    # a long prompt is stored a chunk a step, as vLLM's connector stores it
+    # (vLLM's default budget is 8192); 0: each prompt whole in one step, the
+    # replay's model before this option (and still its default: the
+    # documented figures were measured so)
+    max_batched_tokens: int = 0
     idle_sleep_s: float = 0.0002  # a step with nothing to do sleeps this long
     # Let the tiers finish their own work (cascading stores) before the next
     # request starts: deterministic, slower; real engines do not wait.
@@ -149,6 +155,12 @@ def _check_options(opts: EngineOptions, block_size: int) -> None:
             raise ConfigError(f"{name} must be 0 (off) or a positive number of steps, got {v!r}")
         if v and opts.order != "vllm":
             raise ConfigError(f"{name} needs order 'vllm' (got order {opts.order!r})")
+    mbt = opts.max_batched_tokens
+    if not isinstance(mbt, int) or mbt < 0 or 0 < mbt < block_size:
+        raise ConfigError(f"max_batched_tokens must be 0 (each prompt in one step) or at least one block "
+                          f"({block_size} tokens), got {mbt!r}")
+    if mbt and opts.order != "vllm":
+        raise ConfigError(f"max_batched_tokens needs order 'vllm' (got order {opts.order!r})")
 
 
 class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
@@ -348,10 +360,18 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
 
     # ---- block contents -----------------------------------------------------
 
-    def _compute(self, run: Running) -> None:
+    def _compute(self, run: Running, upto: int | None = None) -> None:
         """The prefill: write the contents of every block not loaded (and of
-        loaded ones that failed); the blocks become GPU prefix-cache entries."""
+        loaded ones that failed); the blocks become GPU prefix-cache entries.
+        A chunked prefill (vllm order) calls it per chunk: the contents are
+        written at the first, the blocks up to `upto` registered at each."""
         first_new = run.n_gpu + run.n_off
+        if run.filled:
+            with self._content:
+                self.gpu.register(run.slots[run.registered:upto], run.hashes[run.registered:upto])
+            run.registered = len(run.slots) if upto is None else upto
+            return
+        run.filled = True
         if run.bad:  # loads that failed are recomputed like any miss
             c = self.c
             redo = sorted(set(run.bad))
@@ -366,7 +386,8 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
             sel = slice(first_new, None)
         with self._content:
             self.contents.fill(run.slots[sel], run.seeds[sel])
-            self.gpu.register(run.slots[run.n_gpu:], run.hashes[run.n_gpu:])
+            self.gpu.register(run.slots[run.n_gpu:upto], run.hashes[run.n_gpu:upto])
+        run.registered = len(run.slots) if upto is None else upto
 
     def _sample(self, done: int) -> None:
         self._collect_stats()

@@ -179,7 +179,8 @@ class Scheduling:
             c["gpu_hit_tokens"] += g_tok
             c["offload_hit_tokens"] += o_tok
             c["recomputed_tokens"] += req.prompt_tokens - g_tok - o_tok
-            self._step_tokens += req.prompt_tokens - g_tok - o_tok
+            if not vllm:  # (the vllm order counts each chunk as it is computed)
+                self._step_tokens += req.prompt_tokens - g_tok - o_tok
             if n_off:
                 self._prepare_load(run)
         waiting.extendleft(reversed(skipped))

@@ -52,6 +52,8 @@ class Running:
     promoted: set[int] = field(default_factory=set)  # loaded block indices a lower tier supplied
     seen: Seen | None = None
     computed: int = 0  # vllm order: leading keys whose KV is on the GPU
+    filled: bool = False  # its computed blocks' contents are written (_compute)
+    registered: int = 0  # leading slots registered in the GPU prefix cache
     left: int = 0  # vllm order: decode steps left
     aborted: bool = False
     first_step: int = 0  # the step it was scheduled

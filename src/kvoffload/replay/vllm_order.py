@@ -58,9 +58,12 @@ class VllmOrder:
         loads, self._to_submit = self._to_submit, []
         stores: list[Job] = []
         computing: list[Running] = []
+        budget = opts.max_batched_tokens // self.trace.block_size if opts.max_batched_tokens else None
         for run in self.running:
             if run.phase == "prefill":
-                run.computed = len(run.req.block_hashes)
+                if budget is not None and budget <= 0 and run.computed < len(run.req.block_hashes):
+                    continue  # the step's tokens are spent: next step
+                budget = self._prefill_chunk(run, budget)
             elif run.phase == "decode":
                 run.computed += 1
             else:
@@ -89,7 +92,8 @@ class VllmOrder:
             self._submit(job)
         for run in computing:
             if run.phase == "prefill":
-                self._compute(run)
+                done = run.computed >= len(run.req.block_hashes)
+                self._compute(run, None if done else run.computed)
         for job in stores:
             self._submit(job)
         # update_from_output(): requests move on or finish, then the jobs
@@ -102,6 +106,8 @@ class VllmOrder:
                 finished += 1
                 continue
             if run.phase == "prefill":
+                if run.computed < len(run.req.block_hashes):
+                    continue  # chunked: more of the prompt next step
                 run.phase = "decode"
                 run.left = len(run.keys) - len(run.req.block_hashes)
             elif run.phase == "decode":
@@ -121,6 +127,19 @@ class VllmOrder:
             self._zombies.remove(run)
             self.gpu.release(run.slots[::-1])
         return finished
+
+    def _prefill_chunk(self, run: Running, budget: int | None) -> int | None:
+        """Compute the next chunk of a prefilling request's prompt: as many
+        blocks as the step's budget has left (None: all). Returns the
+        budget left."""
+        req, plen = run.req, len(run.req.block_hashes)
+        start = max(run.computed, run.n_gpu + run.n_off)
+        end = plen if budget is None else min(plen, start + budget)
+        run.computed = end
+        # the simulated clock: the chunk's tokens (the last chunk takes the prompt's tail)
+        self._step_tokens += (req.prompt_tokens - self.tokens_in(req, 0, start) if end == plen
+                              else self.tokens_in(req, start, end))
+        return None if budget is None else budget - (end - start)
 
     def _offer_vllm(self, run: Running, computed: int, jobs: list[Job]) -> None:
         """prepare_store of the computed keys not offered yet (vLLM's
