@@ -274,17 +274,22 @@ def test_a_promotion_is_held_for_its_request_until_it_loads(rig):
     assert not r.mgr.tracks("a") and not r.mgr.tracks("b")
 
 
+def _promoted_and_held(r):
+    """A request for which key 0, in storage only, was promoted into CPU."""
+    _in_storage_only(r, r.request("w"), [key(0)], [key(i) for i in range(20, 24)])
+    a = r.request("a")
+    assert r.mgr.lookup(key(0), a) is PENDING
+    r.settle()
+    return a
+
+
 def test_a_request_that_computes_instead_drops_its_holds(rig):
     """vLLM loads before it computes: a request storing (its lookups ended
     at a miss elsewhere, or it gave up waiting) will never load what was
     promoted for it, so the hold must not keep CPU from others until it
     finishes."""
     r = rig(cpu_chunks=4)
-    writer = r.request("w")
-    _in_storage_only(r, writer, [key(0)], [key(i) for i in range(20, 24)])
-    a = r.request("a")
-    assert r.mgr.lookup(key(0), a) is PENDING
-    r.settle()
+    a = _promoted_and_held(r)
     assert r.cpu.get_stats().gauges["pinned_blocks"] == 1
     r.gpu_store([key(30)], a)  # computing
     r.settle()  # (its cascade to storage pinned key 30 until it landed)
@@ -294,11 +299,7 @@ def test_a_request_that_computes_instead_drops_its_holds(rig):
 
 def test_a_reset_releases_the_holds_before_fencing_what_is_pinned(rig):
     r = rig(cpu_chunks=4)
-    writer = r.request("w")
-    _in_storage_only(r, writer, [key(0)], [key(i) for i in range(20, 24)])
-    a = r.request("a")
-    assert r.mgr.lookup(key(0), a) is PENDING
-    r.settle()
+    a = _promoted_and_held(r)
     r.mgr.reset_cache()  # the hold is ours, read by no engine job: released, not fenced
     assert r.cpu.get_stats().gauges["fenced_blocks"] == 0
     r.mgr.on_request_finished(a)
