@@ -39,7 +39,7 @@ def spec_for(tmp_path, layer, par, **ns):
     chunk = kv.group_data_refs[0][0].mapping.canonical_page_size_bytes
     assert chunk >= page
     config = OffloadingConfig.from_dict({"groups": [16], "extra_config": {
-        "num_cpu_chunks": 4, "kv_bytes_per_chunk": chunk, "tp_rank": par.tp_rank, "tp_size": par.tp_size,
+        "num_cpu_chunks": 6, "kv_bytes_per_chunk": chunk, "tp_rank": par.tp_rank, "tp_size": par.tp_size,
         "namespace": {"model": "m", **ns},
         "secondary_tiers": [{"type": "storage", "path": str(tmp_path / "kv"), "capacity_bytes": "256KiB",
                              "direct_io": False}]}})

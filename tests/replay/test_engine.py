@@ -227,13 +227,14 @@ def test_tiered_spec_serves_cpu_evictions_from_storage(mooncake_file, tmp_path):
     o.spec = "tiered"
     r = replay(tr, o)
     # r1 pushes 1,2,3 out of the CPU tier; r2 finds them in storage, waits
-    # for their promotion (HIT_PENDING) and loads them, bytes checked.
-    assert counts(r) == (0, 3, 9)
-    assert r.counters["offload_hit_blocks_after_pending"] == 3 and r.counters["delayed_lookups"] >= 1
-    assert r.counters["verified_blocks"] == 3 and r.counters["verify_failures"] == 0
+    # for a promotion (HIT_PENDING) and loads it, bytes checked. Promotions
+    # hold at most half of CPU (1 of these 3 slots): r2 computes the rest.
+    assert counts(r) == (0, 1, 9)
+    assert r.counters["offload_hit_blocks_after_pending"] == 1 and r.counters["delayed_lookups"] >= 1
+    assert r.counters["verified_blocks"] == 1 and r.counters["verify_failures"] == 0
     tiers = summary(r)["tiers"]
     assert set(tiers) >= {"cpu", "storage"}
-    assert tiers["cpu"]["prefix_hit_rate"] == 0 and tiers["storage"]["prefix_hit_rate"] == 3 / 9
+    assert tiers["cpu"]["prefix_hit_rate"] == 0 and tiers["storage"]["prefix_hit_rate"] == 1 / 9
 
 
 def test_blocks_promoted_by_look_ahead_are_credited_to_storage(mooncake_file, tmp_path):

@@ -184,3 +184,22 @@ def test_chunked_prefill_stores_a_prompt_a_chunk_a_step(mooncake_file):
     assert c["recomputed_tokens"] == 40  # every token once, chunked or not
     c, stores = run(0)
     assert stores[0][1] == 10 and c["allocation_failures"] >= 1 and c["evicted_blocks"] == 0
+
+
+def test_sync_tiers_keeps_the_tiers_up_with_every_step(mooncake_file, tmp_path):
+    """--sync-tiers stands for an engine whose compute covers the tiers'
+    writes: they finish each step, not only between requests. A prompt of
+    30 blocks, 3 a step, through a CPU tier of 8: every chunk reaches
+    storage (drained only between requests, the cascades of earlier chunks
+    still pinned CPU: 13 offers refused, 6 blocks never stored)."""
+    from kvoffload.replay.engine import replay
+    from kvoffload.replay.traces import load_trace
+
+    prompt = list(range(1, 31))
+    tr = load_trace(mooncake_file([prompt, prompt], block_size=4), block_size=4)
+    r = replay(tr, EngineOptions(spec="tiered", progress=False, sync_tiers=True, max_batched_tokens=12,
+                                 extra_config={"num_cpu_chunks": 8, "storage_dir": str(tmp_path / "kv"),
+                                               "storage_bytes": "1MiB"}))
+    assert r.counters["allocation_failures"] == 0
+    assert r.tiers["storage"]["counters"]["stored_blocks"] == 30
+    assert r.counters["offload_hit_blocks"] > 0 and r.counters["verify_failures"] == 0

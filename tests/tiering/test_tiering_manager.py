@@ -244,34 +244,66 @@ def _in_storage_only(r, ctx, keys, filler):
 
 
 def test_a_promotion_is_held_for_its_request_until_it_loads(rig):
-    """Two requests whose prefixes do not fit in CPU together: the second's
-    promotion must not evict what was promoted for the first before the
-    first loads it (they took turns evicting each other's promotions, so
-    vLLM's scheduler retried both forever: a chat replay spun 22 s on one
-    request, one chunk promoted 2,901 times)."""
+    """What was promoted for a request stays in CPU until it loads it: else
+    other requests' promotions (or stores) may evict it first, and two
+    requests whose prefixes do not fit in CPU together took turns evicting
+    each other's promotions, so vLLM's scheduler retried both forever (a
+    chat replay spun 22 s on one request, one chunk promoted 2,901 times).
+    Holds take at most half of CPU, so stores always find room: a request
+    holding nothing waits for room (HIT_PENDING), one holding some gets no
+    more (MISS)."""
     r = rig(cpu_chunks=4)
     writer = r.request("w")
-    a_keys, b_keys = [key(i) for i in range(2)], [key(i) for i in range(10, 13)]
-    _in_storage_only(r, writer, a_keys + b_keys, [key(i) for i in range(20, 24)])
+    a_keys, b_key = [key(0), key(1), key(2)], key(10)
+    _in_storage_only(r, writer, a_keys + [b_key], [key(i) for i in range(20, 24)])
     a, b = r.request("a"), r.request("b")
-    for ctx, keys in ((a, a_keys), (b, b_keys)):
-        for pos, k in enumerate(keys):
-            ctx.set_offload_key_position(k, (pos + 1) * 16)
+    for pos, k in enumerate(a_keys):
+        a.set_offload_key_position(k, (pos + 1) * 16)
     assert r.mgr.lookup(a_keys[0], a) is PENDING
-    r.settle()  # a's prefix lands in CPU
-    assert r.mgr.lookup(b_keys[0], b) is PENDING
-    r.settle()  # b's first two (half of CPU at a time)
-    assert [r.mgr.lookup(k, b) for k in b_keys] == [HIT, HIT, PENDING]
-    r.settle()  # b's third finds no slot: a's are held for a, b's own two protected
-    assert [r.mgr.lookup(k, b) for k in b_keys] == [HIT, HIT, MISS]  # b computes the rest
-    assert [r.mgr.lookup(k, a) for k in a_keys] == [HIT, HIT]
-    r.mgr.prepare_load(a_keys, a)  # a's load pins them; the hold is dropped
-    assert r.cpu.get_stats().gauges["pinned_blocks"] == 4  # a's 2 loading, b's 2 held
-    r.mgr.complete_load(a_keys, a)
+    r.settle()  # two of a's prefix land in CPU (half of it), held for a
+    for i in range(30, 34):  # the engine stores on: only the two other slots turn over
+        r.gpu_store([key(i)], writer)
+        r.settle()
+    assert [r.mgr.lookup(k, a) for k in a_keys] == [HIT, HIT, MISS]  # a has its share
+    assert r.mgr.lookup(b_key, b) is PENDING
+    r.settle()
+    assert r.mgr.lookup(b_key, b) is PENDING  # b waits: a's holds fill the half
+    r.mgr.prepare_load(a_keys[:2], a)  # a's load pins them; the hold is dropped
+    assert r.cpu.get_stats().gauges["pinned_blocks"] == 2
+    r.mgr.complete_load(a_keys[:2], a)
+    assert r.mgr.lookup(b_key, b) is PENDING  # room again: b's promotion goes
+    r.settle()
+    assert r.mgr.lookup(b_key, b) is HIT
     r.mgr.on_request_finished(a)
-    r.mgr.on_request_finished(b)  # never loaded what was promoted for it: released
+    r.mgr.on_request_finished(b)  # b never loaded it: released
     assert r.cpu.get_stats().gauges["pinned_blocks"] == 0
     assert not r.mgr.tracks("a") and not r.mgr.tracks("b")
+    assert r.mgr.promotions.holding == 0
+
+
+def test_a_finished_request_releases_what_it_never_loaded(rig):
+    r = rig(cpu_chunks=4)
+    a = _promoted_and_held(r)
+    assert r.cpu.get_stats().gauges["pinned_blocks"] == 1
+    r.mgr.on_request_finished(a)
+    assert r.cpu.get_stats().gauges["pinned_blocks"] == 0
+
+
+def test_an_offer_larger_than_cpu_stores_its_head(rig):
+    """vLLM's connector offers a request's new blocks each step and, refused,
+    offers them again with the next step's added: a prompt larger than CPU
+    would be refused to its end and reach no tier. The tiered manager
+    stores the head that fits (the engine moves past the rest)."""
+    r = rig(cpu_chunks=4)
+    ctx = r.request()
+    keys = [key(i) for i in range(6)]
+    out = r.mgr.prepare_store(keys, ctx)
+    assert out.keys_to_store == keys[:4]
+    r.mgr.complete_store(out.keys_to_store, ctx)
+    r.settle()  # cascaded: storage has the head
+    assert [r.storage.get_manager().lookup(k, ctx) for k in keys] == [HIT] * 4 + [MISS] * 2
+    assert r.mgr.get_stats().counters["partial_stores"] == 1
+    assert r.cpu.prepare_store([key(i) for i in range(10, 16)], ctx) is None  # the CPU tier alone refuses
 
 
 def _promoted_and_held(r):

@@ -9,14 +9,14 @@ import torch
 from kvoffload.abstractions import ReqContext
 from tiering_rig import END, HIT, PENDING, key
 
-def _spec(tmp_path, **tier):
+def _spec(tmp_path, cpu_chunks=2, **tier):
     from kvoffload.config import OffloadingConfig
     from kvoffload.spec import build_spec
 
     conf = {"type": "storage", "path": str(tmp_path / "kv"), "capacity_bytes": "1MiB", **tier}
     config = OffloadingConfig.from_dict({
         "groups": [{"tokens_per_block": 16}],
-        "extra_config": {"num_cpu_chunks": 2, "kv_bytes_per_chunk": 2 * 8192,
+        "extra_config": {"num_cpu_chunks": cpu_chunks, "kv_bytes_per_chunk": 2 * 8192,
                          "namespace": {"model": "tiny"}, "secondary_tiers": [conf]},
     })
     return build_spec("tiered", config)
@@ -33,12 +33,12 @@ def test_spec_gpu_to_storage_and_back_after_restart(tmp_path):
     from kvoffload.kv_caches import random_kv_caches
 
     tensors, caches = random_kv_caches(8, [8192, 8192])
-    spec = _spec(tmp_path)
+    spec = _spec(tmp_path, cpu_chunks=4)  # (promotions hold at most half of it)
     mgr, worker = spec.get_manager(), spec.get_worker(caches)
     ctx = ReqContext("r")
     mgr.on_new_request(ctx)
-    keys = [key(i) for i in range(4)]
-    for i, k in enumerate(keys):  # CPU holds 2: the first two leave CPU, stay in storage
+    keys = [key(i) for i in range(6)]
+    for i, k in enumerate(keys):  # CPU holds 4: the first two leave CPU, stay in storage
         out = mgr.prepare_store([k], ctx)
         _run_job(worker, worker.submit_store, 10 + i, GPULoadStoreSpec([i]), out.store_spec)
         mgr.complete_store(out.keys_to_store, ctx)
@@ -48,7 +48,7 @@ def test_spec_gpu_to_storage_and_back_after_restart(tmp_path):
     mgr.shutdown()
     worker.shutdown()
 
-    spec2 = _spec(tmp_path)  # a new engine on the same directory
+    spec2 = _spec(tmp_path, cpu_chunks=4)  # a new engine on the same directory
     mgr2, worker2 = spec2.get_manager(), spec2.get_worker(caches)
     for t in tensors:
         t.zero_()

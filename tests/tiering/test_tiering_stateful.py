@@ -277,6 +277,9 @@ class TieringMachine(RuleBasedStateMachine):
         assert set(holds) <= set(self.running), "a finished request still holds promoted chunks"
         held = Counter(k for keys in holds.values() for k in keys)
         assert pins == Counter(k for _, keys in self.loads for k in keys) + cascading + held
+        # promotions hold at most half of CPU: in flight (any epoch) and held
+        in_flight = sum(len(job.keys) for job in jobs if not job.is_store)
+        assert self.mgr.promotions.holding == in_flight + sum(held.values()) <= max(1, CPU_CHUNKS // 2)
         assert cpu._num_pinned == len(pins) and cpu._num_pending == len(pending)
 
     @invariant()

@@ -83,7 +83,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0,
                    help="prefill cost, for the time-saved estimate and the simulated clock (default 10000)")
     e.add_argument("--sync-tiers", action="store_true",
-                   help="let the tiers finish cascading stores before each new request (deterministic)")
+                   help="let the tiers finish cascading stores after each step (deterministic)")
     e.add_argument("--strict", action="store_true", help="stop at the first byte mismatch")
     e.add_argument("--verify", choices=("sample", "all"), default="sample",
                    help="byte checks of every loaded block: sample (default): its first and last 8 bytes and "

@@ -71,8 +71,8 @@ class EngineOptions:
     # documented figures were measured so)
     max_batched_tokens: int = 0
     idle_sleep_s: float = 0.0002  # a step with nothing to do sleeps this long
-    # Let the tiers finish their own work (cascading stores) before the next
-    # request starts: deterministic, slower; real engines do not wait.
+    # Let the tiers finish their own work (cascading stores) after each step,
+    # as an engine whose compute time covers it: deterministic, slower
     sync_tiers: bool = False
     samples: int = 100  # points of the hit-rate-over-time series
     strict: bool = False  # raise on the first byte mismatch instead of counting it
@@ -292,7 +292,7 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
                     now = max(now, arrivals[0].arrival_ms / opts.time_compression)
                 while arrivals and arrivals[0].arrival_ms / opts.time_compression <= now:
                     waiting.append((arrivals.popleft(), 0))
-            if opts.sync_tiers and not self.running:
+            if opts.sync_tiers:
                 self._drain_tiers()
             if legacy:
                 new_ids = self._schedule(waiting)

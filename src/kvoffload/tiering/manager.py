@@ -161,6 +161,7 @@ class TieringManager(OffloadingManager):
     def _unhold(self, st: RequestState, keys: list[OffloadKey]) -> None:
         for k in keys:
             del st.held[k]
+        self.promotions.holding -= len(keys)
         self.primary.release(keys)
 
     def complete_load(self, keys: Collection[OffloadKey], req_context: ReqContext) -> None:
@@ -182,10 +183,12 @@ class TieringManager(OffloadingManager):
     # ---- stores ---------------------------------------------------------------
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
-        out = self.primary.prepare_store(keys, req_context)
         st = self._requests.get(req_context.req_id)
         if st is not None and st.held:  # it computes now: what it did not load, it never will
-            self._unhold(st, list(st.held))
+            self._unhold(st, list(st.held))  # (first: their slots may take this store)
+        out = self.primary.prepare_store(keys, req_context)
+        if out is None and self.tiers:
+            out = self._store_head(keys, req_context)
         if out is None:
             return None  # refused: not an offer, and nothing will complete
         if self._admitting:
@@ -203,6 +206,22 @@ class TieringManager(OffloadingManager):
             for i, wants in enumerate(st.request_level):
                 if wants and resident:
                     self._cascade(i, resident, req_context)
+        return out
+
+    def _store_head(self, keys: Collection[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
+        """An offer larger than CPU can take now: its head, as far as there is
+        room. vLLM's connector moves past every key of an answered offer, so
+        the rest is never stored for this request; but refused whole, the
+        offer comes back next step with that step's blocks added, larger, and
+        a long prompt is refused to its end, reaching no tier. Here the head
+        reaches CPU and, through it, the tiers below."""
+        keys = list(keys)
+        room = self.primary.room()
+        if not 0 < room < len(keys):
+            return None
+        out = self.primary.prepare_store(keys[:room], ctx)
+        if out is not None:
+            self._count("partial_stores")
         return out
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
@@ -281,6 +300,10 @@ class TieringManager(OffloadingManager):
 
     def _job_done(self, job: Job, success: bool) -> None:
         st = self._requests.get(job.ctx.req_id)
+        if not job.is_store:
+            self.promotions.holding -= len(job.keys)  # in flight no more (held again below)
+            if st is not None:
+                st.promoting -= len(job.keys)
         if st is None:
             return
         if not job.is_store:
@@ -289,6 +312,7 @@ class TieringManager(OffloadingManager):
             elif not st.finished:  # landed: held for it until it loads them (RequestState.held)
                 self.primary.prepare_load(job.keys, None)
                 st.held.update(dict.fromkeys(job.keys))
+                self.promotions.holding += len(job.keys)
         st.jobs -= 1
         self._maybe_finish(job.ctx, st)
 

@@ -1,8 +1,15 @@
 """Promotions: chunks a secondary tier holds and CPU lacks, read back into
 CPU slots. A secondary hit is queued per (tier, request) and answered
 HIT_PENDING; on_schedule_end submits each queue as one job. Once the chunk
-lands in CPU the lookup is a HIT; if no CPU slot can be freed or the read
-fails, a MISS (the request's `failed` set)."""
+lands in CPU it is held for its request until the request loads it (see
+RequestState.held) and the lookup is a HIT; if no CPU slot can be freed or
+the read fails, a MISS (the request's `failed` set).
+
+Promotions hold at most half of CPU (in flight and held together), so the
+running requests' stores always find room: many waiting requests whose
+prefixes sit below CPU would otherwise fill it with their holds. A request
+holding nothing waits (HIT_PENDING) while the others fill it; one holding
+some gets no more (MISS) and goes ahead with what it holds."""
 
 from __future__ import annotations
 
@@ -29,6 +36,7 @@ class Promotions:
         self._queue: dict[tuple[int, str], tuple[ReqContext, list[OffloadKey]]] = {}
         self._queued: set[OffloadKey] = set()
         self.held = False  # see TieringManager.release_fenced_slots()
+        self.holding = 0  # CPU chunks promotions hold: in flight, or landed and held for a request
 
     def __bool__(self) -> bool:
         return bool(self._queue)
@@ -52,6 +60,12 @@ class Promotions:
         st = self._state_of(ctx)
         if key in st.failed:
             return _MISS
+        if self.holding >= self._cap():
+            if st.held or st.promoting:
+                return _MISS  # its share: it goes ahead with what it holds
+            if any(t.worker is not None and t.manager.lookup(key, ctx) is _HIT for t in self.tiers):
+                return _PENDING  # room comes back as the holders load theirs
+            return _MISS
         allows = ctx.load_tier_filter.allows
         for i, t in enumerate(self.tiers):
             if t.worker is None or not allows(t.medium, t.locality):
@@ -68,6 +82,9 @@ class Promotions:
             if r is not _MISS:
                 return r  # HIT_PENDING (a write to it is landing) or RETRY
         return _MISS
+
+    def _cap(self) -> int:
+        return max(1, self.primary.num_chunks // 2)
 
     def _queue_rest_of_prefix(self, t: Tier, key: OffloadKey, ctx: ReqContext,
                               st: RequestState, queued: list[OffloadKey]) -> None:
@@ -96,6 +113,12 @@ class Promotions:
         slot_of = primary.slot_of
         for (i, _), (ctx, keys) in queue.items():
             t, st = self.tiers[i], self._state_of(ctx)
+            room = self._cap() - self.holding
+            if room <= 0:
+                if st.held or st.promoting:
+                    self._failed(t, st, keys)
+                continue  # else asked again by its next lookup
+            keys = keys[:room]
             # the request's CPU hits ride along: already stored, so protected from eviction
             resident = [k for k in st.cpu_hits if slot_of(k) is not None]
             out = primary.prepare_store(resident + keys, ctx)
@@ -122,6 +145,8 @@ class Promotions:
                 continue
             self._jobs.add(job, i, False, keys, ctx)
             st.jobs += 1
+            st.promoting += len(keys)
+            self.holding += len(keys)
 
     @staticmethod
     def _failed(t: Tier, st: RequestState, keys: list[OffloadKey]) -> None:

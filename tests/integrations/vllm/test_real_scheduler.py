@@ -267,6 +267,7 @@ def expected_cpu_slots(engine: Engine) -> tuple[set[bytes], Counter]:
             engine.saw_promotions = True
     for st in getattr(engine.manager, "_requests", {}).values():  # promoted, held until loaded
         reads.update(list(st.held))
+        engine.saw_promotions |= bool(st.held)
     return writes, reads
 
 

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.mooncake
 def _opts(srv, prefix: str, **tier) -> EngineOptions:
     # a deep tier queue: no cascade is dropped by back-pressure, so what the first engine computed is there
     return EngineOptions(spec="tiered", progress=False, extra_config={
-        "num_cpu_chunks": 64,
+        "num_cpu_chunks": 96,  # promotions hold at most half: the first prompt's 43 blocks
         "secondary_tiers": [{"type": "mooncake", "key_prefix": prefix, "max_queue_depth": 1 << 16,
                              "segment_bytes": 0, **srv.tier_config(), **PATIENT, **tier}]})
 

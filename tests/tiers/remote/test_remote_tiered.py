@@ -19,7 +19,7 @@ def _opts(url: str, prefix: str) -> EngineOptions:
     # a deep tier queue: no cascade is dropped by back-pressure, so what the first engine computed is there;
     # patient timeouts: on a loaded machine the defaults (0.5 s lookup deadline) can turn a HIT into a MISS
     return EngineOptions(spec="tiered", progress=False, extra_config={
-        "num_cpu_chunks": 64,
+        "num_cpu_chunks": 96,  # promotions hold at most half: the first prompt's 43 blocks
         "secondary_tiers": [{"type": "redis", "url": url, "key_prefix": prefix, "max_queue_depth": 1 << 16,
                              "connect_timeout_s": 30.0, "socket_timeout_s": 30.0, "lookup_deadline_s": 30.0}]})
 

@@ -505,5 +505,10 @@ class CPUOffloadingManager(OffloadingManager):
     def __contains__(self, key: object) -> bool:
         return key in self._slot_of
 
+    def room(self) -> int:
+        """Slots a store could have now: free ones and those of readable,
+        unpinned keys (if the policy lets them go)."""
+        return len(self._free) + len(self._slot_of) - self._num_pinned - self._num_pending
+
     def slot_of(self, key: OffloadKey) -> int | None:
         return self._slot_of.get(key)
