@@ -60,18 +60,16 @@ class Promotions:
         st = self._state_of(ctx)
         if key in st.failed:
             return _MISS
-        if self.holding >= self._cap():
-            if st.held or st.promoting:
-                return _MISS  # its share: it goes ahead with what it holds
-            if any(t.worker is not None and t.manager.lookup(key, ctx) is _HIT for t in self.tiers):
-                return _PENDING  # room comes back as the holders load theirs
-            return _MISS
         allows = ctx.load_tier_filter.allows
         for i, t in enumerate(self.tiers):
             if t.worker is None or not allows(t.medium, t.locality):
                 continue
             r = t.manager.lookup(key, ctx)
             if r is _HIT:
+                if self.holding >= self._cap():  # promotions hold half of CPU already
+                    # one holding some goes ahead with it; one holding none
+                    # waits, as the holders load theirs
+                    return _MISS if st.held or st.promoting else _PENDING
                 q = self._queue.get((i, ctx.req_id))
                 if q is None:
                     q = self._queue[(i, ctx.req_id)] = (ctx, [])
