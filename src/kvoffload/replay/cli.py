@@ -309,7 +309,8 @@ def build_options(args, trace: Trace, cpu_blocks: str | None = None, policy: str
     kv = args.kv_bytes_per_token or MODEL_PRESETS[args.model or "tiny"]
     return EngineOptions(
         spec=spec, extra_config=extra, kv_bytes_per_token=kv, gpu_blocks=args.gpu_blocks,
-        max_running=args.max_running, max_batched_tokens=args.max_batched_tokens, arrival=args.arrival, time_compression=args.time_compression,
+        max_running=args.max_running, max_batched_tokens=args.max_batched_tokens, arrival=args.arrival,
+        time_compression=args.time_compression,
         prefill_tokens_per_s=args.prefill_tokens_per_s, strict=args.strict, verify=args.verify,
         sync_tiers=args.sync_tiers, copy_thread=args.copy_thread,
         progress=not args.no_progress, metrics=getattr(args, "_metrics", None),

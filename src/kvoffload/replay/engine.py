@@ -365,13 +365,17 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
         loaded ones that failed); the blocks become GPU prefix-cache entries.
         A chunked prefill (vllm order) calls it per chunk: the contents are
         written at the first, the blocks up to `upto` registered at each."""
+        if not run.filled:
+            run.filled = True
+            self._fill(run)
+        lo = max(run.registered, run.n_gpu)
+        with self._content:
+            self.gpu.register(run.slots[lo:upto], run.hashes[lo:upto])
+        run.registered = len(run.slots) if upto is None else upto
+
+    def _fill(self, run: Running) -> None:
+        """Write the contents of every block the request computes."""
         first_new = run.n_gpu + run.n_off
-        if run.filled:
-            with self._content:
-                self.gpu.register(run.slots[run.registered:upto], run.hashes[run.registered:upto])
-            run.registered = len(run.slots) if upto is None else upto
-            return
-        run.filled = True
         if run.bad:  # loads that failed are recomputed like any miss
             c = self.c
             redo = sorted(set(run.bad))
@@ -386,8 +390,6 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
             sel = slice(first_new, None)
         with self._content:
             self.contents.fill(run.slots[sel], run.seeds[sel])
-            self.gpu.register(run.slots[run.n_gpu:upto], run.hashes[run.n_gpu:upto])
-        run.registered = len(run.slots) if upto is None else upto
 
     def _sample(self, done: int) -> None:
         self._collect_stats()

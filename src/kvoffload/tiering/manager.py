@@ -158,6 +158,12 @@ class TieringManager(OffloadingManager):
             self._unhold(st, [k for k in dict.fromkeys(keys) if k in st.held])
         return spec
 
+    def _hold(self, st: RequestState, keys: list[OffloadKey]) -> None:
+        """Pin promoted keys for their request (RequestState.held)."""
+        self.primary.prepare_load(keys, None)
+        st.held.update(dict.fromkeys(keys))
+        self.promotions.holding += len(keys)
+
     def _unhold(self, st: RequestState, keys: list[OffloadKey]) -> None:
         for k in keys:
             del st.held[k]
@@ -301,18 +307,15 @@ class TieringManager(OffloadingManager):
     def _job_done(self, job: Job, success: bool) -> None:
         st = self._requests.get(job.ctx.req_id)
         if not job.is_store:
-            self.promotions.holding -= len(job.keys)  # in flight no more (held again below)
+            self.promotions.holding -= len(job.keys)  # in flight no more
             if st is not None:
                 st.promoting -= len(job.keys)
+                if not success:
+                    st.failed.update(job.keys)
+                elif not st.finished:  # landed: held for it until it loads them
+                    self._hold(st, job.keys)
         if st is None:
             return
-        if not job.is_store:
-            if not success:
-                st.failed.update(job.keys)
-            elif not st.finished:  # landed: held for it until it loads them (RequestState.held)
-                self.primary.prepare_load(job.keys, None)
-                st.held.update(dict.fromkeys(job.keys))
-                self.promotions.holding += len(job.keys)
         st.jobs -= 1
         self._maybe_finish(job.ctx, st)
 
