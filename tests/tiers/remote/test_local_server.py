@@ -1,7 +1,11 @@
 """The test servers' port choice: a port taken between the check and the
-server's bind is picked again; a restart keeps its port."""
+server's bind is picked again; a restart keeps its port. pause() returns
+only once every thread of the server has stopped."""
 
 import socket
+from pathlib import Path
+
+import redis
 
 import pytest
 
@@ -48,3 +52,22 @@ def test_cluster_ports_leave_room_for_the_bus_port_below_the_ephemeral_range():
     for _ in range(20):
         port = free_port(55535)
         assert port + 10000 < 32768
+
+
+def _states(pid: int) -> set[str]:
+    states = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        stat = (task / "stat").read_text()
+        states.add(stat[stat.rindex(")") + 2])
+    return states
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="no procfs")
+def test_pause_returns_once_every_thread_has_stopped():
+    # redis-server runs several threads (bio, io): all must be stopped, not only signalled
+    with LocalServer(extra_args=("--io-threads", "2")) as srv:
+        for _ in range(20):
+            srv.pause()
+            assert _states(srv.proc.pid) <= {"T", "t"}
+            srv.resume()
+        assert redis.Redis(port=srv.port, socket_timeout=5).ping()

@@ -5,7 +5,6 @@ credentials fail at start-up with a clear message."""
 
 from __future__ import annotations
 
-import signal
 
 import numpy as np
 import pytest
@@ -81,14 +80,14 @@ def test_hung_server_times_out_then_recovers(fresh_server, prefix):
         keys = keys_for(2, seed=31)
         fill(pool, range(2), seed=31)
         assert store(m, w, keys, [0, 1])
-        srv.proc.send_signal(signal.SIGSTOP)
+        srv.pause()
         try:
             m.reset_cache()
             assert lookup(m, keys[0]) is LookupResult.MISS  # check timed out -> back-off -> miss
             assert not store(m, w, keys_for(2, seed=32), [0, 1])
             assert not load(m, w, keys, [2, 3])
         finally:
-            srv.proc.send_signal(signal.SIGCONT)
+            srv.resume()
         wait_until(lambda: lookup(m, keys[0]) is LookupResult.HIT, "a HIT after the server resumed")
         assert load(m, w, keys, [2, 3])
         assert np.array_equal(pool.array[0:2], pool.array[2:4])
@@ -108,7 +107,7 @@ def test_paused_server_delays_a_lookup_by_the_deadline_only(fresh_server, prefix
         fill(pool, range(3), seed=33)
         assert store(m, w, keys, [0, 1, 2])
         m.reset_cache()
-        srv.proc.send_signal(signal.SIGSTOP)
+        srv.pause()
         try:
             # lookup() gives up (fails the test) after 45 s, below the 60 s socket timeout
             assert lookup(m, keys[0]) is LookupResult.MISS
@@ -117,7 +116,7 @@ def test_paused_server_delays_a_lookup_by_the_deadline_only(fresh_server, prefix
             c = m.get_stats().counters
             assert c["lookup_timeouts"] >= 2
         finally:
-            srv.proc.send_signal(signal.SIGCONT)
+            srv.resume()
         # the check in flight completes once the server runs again; answers are HITs again
         wait_until(lambda: lookup(m, keys[2]) is LookupResult.HIT, "a HIT after the server resumed")
         assert lookup(m, keys[0]) is LookupResult.HIT

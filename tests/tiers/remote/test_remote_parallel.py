@@ -4,7 +4,6 @@ of the raw GET path bounded by the socket timeout (real redis-server)."""
 
 from __future__ import annotations
 
-import signal
 
 import numpy as np
 import pytest
@@ -75,14 +74,14 @@ def test_loads_go_before_queued_stores(fresh_server, prefix):
         load_spec = m.prepare_load(stored, CTX)
         first = m.prepare_store(keys_for(1, seed=43), CTX).store_spec
         second = m.prepare_store(keys_for(1, seed=44), CTX).store_spec
-        srv.proc.send_signal(signal.SIGSTOP)  # the thread's first job waits on the server
+        srv.pause()  # the thread's first job waits on the server
         try:
             assert w.submit_store(1, CPULoadStoreSpec([2]), first)
             wait_until(lambda: not w._stores, "the IO thread took the first store")  # noqa: SLF001
             assert w.submit_store(2, CPULoadStoreSpec([3]), second)
             assert w.submit_load(3, load_spec, CPULoadStoreSpec([4, 5]))
         finally:
-            srv.proc.send_signal(signal.SIGCONT)
+            srv.resume()
         w.wait({1, 2, 3})
         done = w.get_finished()
         assert [x.job_id for x in done] == [1, 3, 2] and all(x.success for x in done)
@@ -100,11 +99,11 @@ def test_raw_get_from_a_stopped_server_raises(fresh_server):
     try:
         value = memoryview(bytearray(8 * MiB))
         assert rc.set_many([b"big"], [value]) == [True]
-        srv.proc.send_signal(signal.SIGSTOP)
+        srv.pause()
         try:
             with pytest.raises(NETWORK_ERRORS):
                 rc.get_many_into([b"big", b"big"], [value, memoryview(bytearray(8 * MiB))], 64 * MiB)
         finally:
-            srv.proc.send_signal(signal.SIGCONT)
+            srv.resume()
     finally:
         rc.close()

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvoffload.tiers.remote.server import free_port
+from kvoffload.tiers.remote.server import free_port, pause, resume
 
 _log = logging.getLogger(__name__)
 
@@ -143,10 +143,11 @@ class LocalMooncake:
         self.master = None
 
     def pause_master(self) -> None:
-        self.master.send_signal(signal.SIGSTOP)
+        """SIGSTOP the master, returning once it has stopped."""
+        pause(self.master)
 
     def resume_master(self) -> None:
-        self.master.send_signal(signal.SIGCONT)
+        resume(self.master)
 
     def close(self) -> None:
         if self.master is not None and self.master.poll() is None:

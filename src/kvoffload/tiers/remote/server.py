@@ -58,6 +58,34 @@ def free_port(highest: int = 65535) -> int:
     raise RuntimeError(f"no free loopback port pair <= {top}")
 
 
+def pause(proc: subprocess.Popen, timeout_s: float = 10.0) -> None:
+    """SIGSTOP, then wait until every thread of the process has stopped.
+    kill() returns before the stop takes effect: on a loaded machine a thread
+    of the server could still answer a request sent right after it (a
+    Mooncake fault test once saw a HIT from a master it had just paused)."""
+    proc.send_signal(signal.SIGSTOP)
+    tasks = Path(f"/proc/{proc.pid}/task")
+    if not tasks.is_dir():  # (no procfs: nothing to wait on)
+        return
+    deadline = time.monotonic() + timeout_s
+    while not all(_stopped(t) for t in tasks.iterdir()):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"process {proc.pid} not stopped {timeout_s} s after SIGSTOP")
+        time.sleep(0.001)
+
+
+def _stopped(task: Path) -> bool:
+    try:
+        stat = (task / "stat").read_text()
+    except OSError:  # the thread ended
+        return True
+    return stat[stat.rindex(")") + 2] in "tT"  # the state follows the command name's ")"
+
+
+def resume(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGCONT)
+
+
 class LocalServer:
     """One redis-server process we own (never daemonized, so its pid is ours
     to kill). Restartable on the same port to simulate an outage."""
@@ -136,6 +164,14 @@ class LocalServer:
                     self.kill()
                     raise RuntimeError(f"redis-server on port {self.port} did not start:\n{tail}") from None
                 time.sleep(0.02)
+
+    def pause(self) -> None:
+        """SIGSTOP (a hung server: it accepts nothing and answers nothing),
+        returning once it has stopped."""
+        pause(self.proc)
+
+    def resume(self) -> None:
+        resume(self.proc)
 
     def kill(self) -> None:
         """SIGKILL: the outage case (no goodbye to clients)."""
