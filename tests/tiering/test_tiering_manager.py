@@ -315,6 +315,19 @@ def _promoted_and_held(r):
     return a
 
 
+def test_a_malformed_store_raises_before_it_drops_the_holds(rig):
+    """Raise first: a store with a bad key changes nothing, its request's
+    holds included."""
+    r = rig(cpu_chunks=4)
+    a = _promoted_and_held(r)
+    with pytest.raises(TypeError, match="offload keys are bytes"):
+        r.mgr.prepare_store([key(30), "not-a-key"], a)
+    assert r.cpu.get_stats().gauges["pinned_blocks"] == 1
+    assert r.mgr.promotions.holding == 1
+    r.mgr.on_request_finished(a)
+    assert r.cpu.get_stats().gauges["pinned_blocks"] == 0
+
+
 def test_a_request_that_computes_instead_drops_its_holds(rig):
     """vLLM loads before it computes: a request storing (its lookups ended
     at a miss elsewhere, or it gave up waiting) will never load what was

@@ -35,6 +35,7 @@ from kvoffload.abstractions import (
 )
 from kvoffload.hints import COUNTER as BAD_HINTS
 from kvoffload.hints import request_hints
+from kvoffload.keys import check_keys
 from kvoffload.tiering.jobs import Job, JobTable
 from kvoffload.tiering.promotion import Promotions
 from kvoffload.tiering.state import RequestState
@@ -191,6 +192,7 @@ class TieringManager(OffloadingManager):
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         st = self._requests.get(req_context.req_id)
         if st is not None and st.held:  # it computes now: what it did not load, it never will
+            check_keys(list(keys))  # a malformed key raises before any state changes
             self._unhold(st, list(st.held))  # (first: their slots may take this store)
         out = self.primary.prepare_store(keys, req_context)
         if out is None and self.tiers:
