@@ -38,9 +38,24 @@ COUNTERS = {
     "allocation_failures": "Stores refused because no room could be made",
     "dropped_stores": "Stores dropped by admission or back-pressure",
     "checksum_failures": "Blocks whose checksum did not match (served as misses)",
-    "promotions": "Blocks promoted from this tier into the CPU tier",
     "errors": "Transfer or connection errors (degraded to misses)",
     "bad_request_hints": "Invalid per-request hints (kv_transfer_params) ignored",
+    # a secondary tier under the CPU tier (tiering/)
+    "promoted_blocks": "Blocks promoted from this tier into the CPU tier",
+    "promotion_failures": "Blocks whose promotion into the CPU tier failed (answered as misses)",
+    "cascaded_blocks": "Blocks written down from the CPU tier into this tier",
+    "failed_stores": "Blocks whose write down from the CPU tier into this tier failed",
+    "partial_stores": "Stores larger than the CPU tier's room, of which only the head was stored",
+    # remote stores (Redis/Valkey, Mooncake)
+    "lookup_timeouts": "Lookups answered MISS because the store did not answer within lookup_deadline_s",
+    "stores_refused": "Blocks not stored because the store was down (backing off)",
+    "store_queue_full": "Stores refused because the worker's queue was full",
+    "store_failures": "Blocks a store failed to write (network or server error)",
+    "load_failures": "Blocks a load failed to read (network or server error, missing or corrupt)",
+    "load_misses": "Blocks a load found gone from the store (evicted or expired)",
+    "reconnects": "Reconnections to the store after an outage",
+    # storage
+    "index_bad_records": "Records of the storage index found bad at start-up (their blocks are dropped)",
 }
 GAUGES = {
     "used_blocks": "Blocks held by the tier",
@@ -50,6 +65,8 @@ GAUGES = {
     "queue_depth": "Transfer jobs queued or in flight",
     "pending_blocks": "Blocks reserved by stores not yet complete",
     "fenced_blocks": "Freed blocks held back until in-flight jobs of a cache reset finished",
+    "known_present": "Keys a remote store answered present, still trusted (lookup_cache_s)",
+    "server_up": "1 while the remote store answers, 0 while backing off after an error",
 }
 BYTES_BUCKETS = tuple(float(2**i) for i in range(12, 33, 2))  # 4 KiB .. 4 GiB
 SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)

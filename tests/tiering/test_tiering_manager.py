@@ -306,6 +306,26 @@ def test_an_offer_larger_than_cpu_stores_its_head(rig):
     assert r.cpu.prepare_store([key(i) for i in range(10, 16)], ctx) is None  # the CPU tier alone refuses
 
 
+def test_every_stat_the_tiered_manager_reports_is_a_declared_series(rig):
+    """vLLM exports only the series a spec declares (convert.connector_stats
+    leaves the others out): promotions, cascades and head stores must be
+    declared, or they vanish inside vLLM."""
+    from kvoffload.metrics import COUNTERS, GAUGES
+
+    r = rig(cpu_chunks=4)
+    a = _promoted_and_held(r)  # a promotion, after cascades into storage
+    r.mgr.prepare_store([key(i) for i in range(40, 46)], a)  # larger than CPU's room: its head
+    names = {}
+    for st in r.mgr.get_stats().walk():
+        for n in st.counters:
+            names[n] = "counter"
+        for n in st.gauges:
+            names[n] = "gauge"
+    assert {"promoted_blocks", "cascaded_blocks", "partial_stores"} <= names.keys()
+    undeclared = [n for n, kind in names.items() if n not in (COUNTERS if kind == "counter" else GAUGES)]
+    assert not undeclared
+
+
 def _promoted_and_held(r):
     """A request for which key 0, in storage only, was promoted into CPU."""
     _in_storage_only(r, r.request("w"), [key(0)], [key(i) for i in range(20, 24)])

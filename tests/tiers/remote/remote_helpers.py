@@ -97,3 +97,10 @@ def load(manager, worker, keys, slots) -> bool:
 
 def total(stats_list, name: str) -> float:
     return sum(s.counters.get(name, 0) for s in stats_list)
+
+
+def undeclared(stats) -> list[str]:
+    """Stat names with no declared series: vLLM's metrics leave those out."""
+    from kvoffload.metrics import COUNTERS, GAUGES
+
+    return [n for n in stats.counters if n not in COUNTERS] + [n for n in stats.gauges if n not in GAUGES]

@@ -12,7 +12,7 @@ import pytest
 from kvoffload.abstractions import LookupResult
 from kvoffload.config import ConfigError
 from kvoffload.tiers.remote.server import LocalServer, free_port
-from remote_helpers import CTX, fill, keys_for, load, lookup, make_tier, store, total, wait_until
+from remote_helpers import CTX, fill, keys_for, load, lookup, make_tier, store, total, undeclared, wait_until
 
 pytestmark = pytest.mark.redis
 
@@ -51,6 +51,7 @@ def test_kill_mid_run_then_restart(fresh_server, prefix):
         assert total(stats, "stores_refused") + total(stats, "store_failures") >= 4 * 15
         assert total(stats, "misses") > 0
         assert stats[0].gauges["server_up"] == 0.0
+        assert not undeclared(stats[0])  # an outage's counters reach vLLM's metrics too
 
         srv.start()  # same port, empty (no persistence)
         probe = keys_for(1, seed=999)
@@ -67,6 +68,7 @@ def test_kill_mid_run_then_restart(fresh_server, prefix):
         assert np.array_equal(pool.array[8:12], pool.array[0:4])
         stats = m.get_stats()
         assert stats.counters.get("reconnects", 0) >= 1 and stats.gauges["server_up"] == 1.0
+        assert not undeclared(stats)
     finally:
         tier.shutdown()
 
@@ -113,8 +115,8 @@ def test_paused_server_delays_a_lookup_by_the_deadline_only(fresh_server, prefix
             assert lookup(m, keys[0]) is LookupResult.MISS
             assert lookup(m, keys[1]) is LookupResult.MISS  # a new key does not queue behind the stuck check
             assert srv.proc.poll() is None  # still there, still stopped: the answers came without it
-            c = m.get_stats().counters
-            assert c["lookup_timeouts"] >= 2
+            stats = m.get_stats()
+            assert stats.counters["lookup_timeouts"] >= 2 and not undeclared(stats)
         finally:
             srv.resume()
         # the check in flight completes once the server runs again; answers are HITs again
