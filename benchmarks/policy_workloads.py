@@ -55,7 +55,9 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
   chat-judge16, scan-judge16, oneshot-judge16, systail-judge16, convo-judge16, multisys-judge16,
   tools-judge16, rag-judge16   fresh seeds for hubchain's version 15
   chat-judge17, scan-judge17, oneshot-judge17, systail-judge17, convo-judge17, multisys-judge17,
-  tools-judge17, rag-judge17   fresh seeds for hubchain's next version (no run on them yet)
+  tools-judge17, rag-judge17   fresh seeds; used to judge hubchain's version 15 a second time
+  chat-judge18, scan-judge18, oneshot-judge18, systail-judge18, convo-judge18, multisys-judge18,
+  tools-judge18, rag-judge18   fresh seeds for hubchain's next version (no run on them yet)
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
@@ -222,7 +224,8 @@ WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "ag
              "tools-judge7", "rag-judge7"]
 # From judge8 on, each judge set has every kind, with seeds base + 1 .. base + 7 (chat: the set's number).
 KINDS = ("chat", "scan", "oneshot", "systail", "convo", "multisys", "tools", "rag")
-JUDGE_SETS = {8: 120, 9: 130, 10: 140, 11: 150, 12: 160, 13: 170, 14: 180, 15: 190, 16: 200, 17: 210}  # set -> seed base
+JUDGE_SETS = {8: 120, 9: 130, 10: 140, 11: 150, 12: 160, 13: 170, 14: 180, 15: 190, 16: 200, 17: 210,
+              18: 220}  # set -> seed base
 WORKLOADS += [f"{kind}-judge{n}" for n in JUDGE_SETS for kind in KINDS]
 
 
