@@ -41,6 +41,29 @@ def test_encoder_dedups_overlapping_stores():
     assert [e["block_hashes"] for e in b] == [[h(K[2])]]
 
 
+def test_a_remote_store_is_announced_each_time_and_nothing_is_kept_for_it():
+    """A remote server evicts without telling us, so no removal ever comes:
+    a key stored again (after the server dropped it) must be announced
+    again, and the encoder must keep no per-key state for the tier (it grew
+    by every key ever stored, for the life of the process)."""
+    import tracemalloc
+
+    enc = EventEncoder(block_size=16, event_format="map")
+    remote = dict(locality=Locality.REMOTE, ownership="remote")
+    assert [e["block_hashes"] for e in stored(enc, K[:2], **remote)] == [[h(K[0]), h(K[1])]]
+    assert [e["block_hashes"] for e in stored(enc, K[:2], **remote)] == [[h(K[0]), h(K[1])]]
+    many = [make_offload_key(i.to_bytes(32, "big"), 0) for i in range(20_000)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(0, len(many), 100):
+            enc.encode([OffloadingEvent(many[i:i + 100], Medium.CPU, removed=False, **remote)])
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert kept < 100_000  # a set of 20,000 keys alone takes over 500 KB
+
+
 def test_array_format_is_positional():
     enc = EventEncoder(block_size=16, event_format="array", int_hashes=False)
     out = enc.encode([OffloadingEvent(K[:1], Medium.CPU, removed=False, locality=Locality.LOCAL)])
@@ -206,7 +229,9 @@ _OPS = st.lists(st.tuples(st.sampled_from(range(3)), st.booleans(), st.booleans(
 def test_both_encodings_announce_the_same_consistent_stream(ops):
     """Whatever the managers report, a router sees each block stored once
     until removed, removals only of what it was told is stored, one KV group
-    per event, and the map and array encodings say the same."""
+    per event, and the map and array encodings say the same. A remote tier
+    (no removal seen for what its server evicts) is passed through: every
+    store and removal as reported, each key once per event."""
     enc = {f: EventEncoder(event_format=f) for f in ("map", "array")}
     held: dict[str, set] = {}
     for tier_i, removed, metadata_only, idx in ops:
@@ -221,13 +246,19 @@ def test_both_encodings_announce_the_same_consistent_stream(ops):
                                                                      owner)
             keys = {k for k in _KEYS if h(k) in e["block_hashes"] and k[-1] == e["group_idx"]}
             assert len(keys) == len(e["block_hashes"])  # one group per event, no repeats
+            if locality is Locality.REMOTE:
+                assert (e["type"] == "BlockRemoved") == removed and not ev.metadata_only
+                continue
             if e["type"] == "BlockStored":
                 assert not removed and not tier & keys
                 tier |= keys
             else:
                 assert removed and not ev.metadata_only and keys <= tier
                 tier -= keys
-        if removed and not ev.metadata_only:
+        if locality is Locality.REMOTE:
+            if not ev.metadata_only:  # every key of it, once
+                assert sum(len(e["block_hashes"]) for e in out["map"]) == len(set(ev.keys))
+        elif removed and not ev.metadata_only:
             assert not tier & set(ev.keys)  # everything it held of them is now announced removed
         elif not removed:
             assert set(ev.keys) <= tier

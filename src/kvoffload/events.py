@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvoffload.abstractions import OffloadingEvent
+from kvoffload.abstractions import Locality, OffloadingEvent
 from kvoffload.config import ConfigError
 from kvoffload.keys import OffloadKey, get_offload_group_idx
 
@@ -119,7 +119,8 @@ class EventEncoder:
 
     Deduplicates: a key already announced as stored in a tier is not
     announced again until it is removed from that tier (several chunks or
-    several requests can store overlapping keys).
+    several requests can store overlapping keys). Not for remote tiers,
+    whose removals are never seen (encode).
     """
 
     def __init__(self, block_size: int = 0, describe: Describer | None = None,
@@ -160,24 +161,35 @@ class EventEncoder:
             # Dedupe per (tier, key): the same hash in two KV groups, or in
             # two tiers, is two separate facts for a router.
             tier = ev.ownership or medium + (locality or "")
+            # A remote store's server evicts unseen: no removal comes for most of
+            # its keys, so a dedupe set would grow by every key ever stored and
+            # never announce one stored again after the server dropped it. Its
+            # manager stores only keys not known present: few repeats.
+            remote = ev.locality is Locality.REMOTE
             if ev.removed:
-                held = self._announced.get(tier, set())
-                keys = [k for k in ev.keys if k in held]
-                n = len(held)
-                held.difference_update(keys)
-                if n - len(held) != len(keys):  # a key twice in one event: once on the wire
-                    keys = list(dict.fromkeys(keys))
+                if remote:
+                    keys = list(dict.fromkeys(ev.keys))
+                else:
+                    held = self._announced.get(tier, set())
+                    keys = [k for k in ev.keys if k in held]
+                    n = len(held)
+                    held.difference_update(keys)
+                    if n - len(held) != len(keys):  # a key twice in one event: once on the wire
+                        keys = list(dict.fromkeys(keys))
                 for group, ks in _by_group(keys).items():
                     out.append(_wire("BlockRemoved", _REMOVED, [
                         self.hashes(ks), medium, group,
                         locality, ev.ownership], _REMOVED_REQUIRED, self._array))
                 continue
-            held = self._announced.setdefault(tier, set())
-            keys = [k for k in ev.keys if k not in held]
-            n = len(held)
-            held.update(keys)
-            if len(held) - n != len(keys):
-                keys = list(dict.fromkeys(keys))
+            if remote:
+                keys = list(dict.fromkeys(ev.keys))
+            else:
+                held = self._announced.setdefault(tier, set())
+                keys = [k for k in ev.keys if k not in held]
+                n = len(held)
+                held.update(keys)
+                if len(held) - n != len(keys):
+                    keys = list(dict.fromkeys(keys))
             if self.describe is None:
                 for group, ks in _by_group(keys).items():
                     out.append(self._stored(self.hashes(ks), None, [], self.block_size, group, medium,
