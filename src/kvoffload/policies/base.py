@@ -46,6 +46,11 @@ class EvictionPolicy(ABC):
         request's batches end up tail-oldest. Default: nothing (a policy
         that counts uses must not see this as one)."""
 
+    def finished(self, ctx: ReqContext) -> None:
+        """The request finished (the manager calls it first, then refresh
+        and touch). Its stores may still land after this, in vLLM's order:
+        a policy keeping per-request state lets it go here. Default: nothing."""
+
     def access(self, keys: list[bytes], ctx: ReqContext | None) -> None:
         """Optional: a running request loaded these keys (prefix order). A
         policy may rank them with the request's own keys until it finishes

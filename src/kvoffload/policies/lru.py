@@ -147,18 +147,23 @@ class LRUPolicy(EvictionPolicy):
             if order[k] is not None:  # used: ranked on its own from now on
                 order[k] = None
 
+    def finished(self, ctx: ReqContext) -> None:
+        # Its group dies, stored keys or not. A store may still land (vLLM finishes a
+        # request in the step it submits the last one): the context keeps a shared
+        # dead group, so that store opens none (a live one would keep the request's
+        # key positions alive until all its keys were evicted).
+        group = ctx.get_owned(self)
+        if group is not _FINISHED:
+            ctx.set_owned(self, _FINISHED)
+            if group is not None:
+                group.live = False
+                group.keys = []
+                group.positions = {}  # (the request's dict: not kept alive by its keys' values)
+
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
-        # The manager re-ranks a finished request's stores: its group dies.
+        # The manager re-ranks a finished request's stores (storage: an empty refresh)
         if ctx is not None:
-            group = ctx.get_owned(self)
-            if group is not _FINISHED:
-                # A store may still land (vLLM finishes a request in the step it submits the
-                # last one): the context keeps a shared dead group, so that store opens none.
-                ctx.set_owned(self, _FINISHED)
-                if group is not None:
-                    group.live = False
-                    group.keys = []
-                    group.positions = {}  # (the request's dict: not kept alive by its keys' values)
+            self.finished(ctx)
         if _move_all(self._order, keys):
             return
         move = self._order.move_to_end

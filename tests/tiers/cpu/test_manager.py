@@ -389,6 +389,36 @@ def test_late_completion_after_finish_and_shared_contexts():
         assert m.lookup(K(1), ctx) is LookupResult.HIT and len(m.policy) == 2
 
 
+def test_a_store_landing_after_the_finish_keeps_nothing_of_its_request():
+    """vLLM finishes a request in the step it submits its last store, which
+    completes after. When no store of the request had landed before its
+    finish, LRU opened a live group at that completion, and the group kept
+    the request's key positions (its whole context) alive until every key
+    it stored was evicted: about 110 entries per resident block here."""
+    import gc
+    import tracemalloc
+
+    m = CPUOffloadingManager(256)
+    shared = [K(i) for i in range(500)]  # a long context, stored once
+    store(m, shared[:200], None)
+    tracemalloc.start()
+    try:
+        gc.collect()
+        before = tracemalloc.get_traced_memory()[0]
+        for r in range(200):
+            ctx = _req(f"r{r}", shared + [K(10_000 + r)])
+            out = m.prepare_store([K(10_000 + r)], ctx)  # its only store, submitted in its last step
+            m.on_request_finished(ctx)
+            m.complete_store(out.keys_to_store, ctx)  # lands after the finish
+            del ctx
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert m.lookup(K(10_199), ReqContext("x")) is LookupResult.HIT
+    assert kept < 1_000_000  # the 200 requests' positions alone take several MB
+
+
 def test_reading_back_own_stores_is_not_a_reuse():
     m = CPUOffloadingManager(8, "arc")
     ctx = _req("a", keys(1, 2))

@@ -103,6 +103,7 @@ def finish_request(ctx: ReqContext, owner: object, policy) -> None:
     if rec is None:  # finished already
         return
     rec.finished = True  # kept for its prepare order: a late complete_store ranks by it
+    policy.finished(ctx)
     reused, stored, read_back, unsorted = rec.reused, rec.stored, rec.read_back, rec.unsorted
     rec.reused = rec.stored = []
     if low_retention(ctx):
