@@ -105,3 +105,35 @@ def test_replay_cli_dead_master_is_one_line(capsys):
     rc = main(["replay", "--sessions", "2", "--no-progress", "--remote-url", f"mooncake://127.0.0.1:{free_port()}"])
     err = capsys.readouterr().err
     assert rc == 2 and "unreachable" in err and "Traceback" not in err
+
+
+class _MalformedOnce:
+    """The real client, except that the first batch_is_exist answers None: a
+    fault a real master does not produce on demand, standing for any
+    exception a lookup round may meet."""
+
+    def __init__(self, client):
+        self._client, self.calls = client, 0
+
+    def batch_is_exist(self, keys):
+        self.calls += 1
+        return None if self.calls == 1 else self._client.batch_is_exist(keys)
+
+    def __getattr__(self, name):
+        return getattr(self._client, name)
+
+
+def test_lookup_thread_survives_a_failed_round(mooncake, prefix):
+    tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=4, chunk_bytes=16 << 10, lookup_deadline_s=2.0,
+                                 miss_cache_s=0.01)
+    try:
+        keys = keys_for(2, seed=34)
+        fill(pool, range(2), seed=34)
+        assert store(m, w, keys, [0, 1])
+        m.reset_cache()
+        m._checker._client = faulty = _MalformedOnce(m._checker._client)
+        assert lookup(m, keys[0]) is LookupResult.MISS  # the failed round: unknown, a short-lived miss
+        assert faulty.calls == 1
+        wait_until(lambda: [lookup(m, k) for k in keys] == [LookupResult.HIT] * 2, "HITs after the failed round")
+    finally:
+        tier.shutdown()

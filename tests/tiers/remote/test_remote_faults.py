@@ -5,9 +5,12 @@ credentials fail at start-up with a clear message."""
 
 from __future__ import annotations
 
+import logging
+import time
 
 import numpy as np
 import pytest
+import redis
 
 from kvoffload.abstractions import LookupResult
 from kvoffload.config import ConfigError
@@ -161,8 +164,6 @@ def test_wrong_password_is_a_clear_startup_error(prefix):
 
 def test_acl_user(prefix):
     with LocalServer() as srv:
-        import redis
-
         r = redis.Redis(port=srv.port)
         r.acl_setuser("kv", enabled=True, passwords=["+kvpw"], keys=[f"{prefix}:*"], commands=["+@all"])
         tier, m, w, pool = make_tier(srv.url, prefix, username="kv", password="kvpw")
@@ -188,4 +189,35 @@ def test_store_back_pressure_drops(redis_server, prefix):
         c = m.get_stats().counters
         assert c["store_queue_full"] == 1
     finally:
+        tier.shutdown()
+
+
+@pytest.mark.timeout(300)
+def test_error_reply_to_exists_is_a_miss_by_the_deadline(fresh_server, prefix, caplog):
+    """An error reply to EXISTS (NOPERM here: an operator took EXISTS from the
+    tier's user; BUSY, CLUSTERDOWN and TRYAGAIN take the same path) ends the
+    lookup as a MISS, not RETRY for as long as the server errs, and logs a
+    line, not one per round. Hits come back once EXISTS is allowed again."""
+    srv = fresh_server.start()
+    tier, m, w, pool = make_tier(srv.url, prefix, num_chunks=4, chunk_bytes=16 << 10, lookup_deadline_s=2.0,
+                                 miss_cache_s=0.01)
+    admin = redis.Redis(port=srv.port)
+    try:
+        key = keys_for(1, seed=41)[0]
+        fill(pool, [0], seed=41)
+        assert store(m, w, [key], [0])
+        m.reset_cache()
+        admin.execute_command("ACL", "SETUSER", "default", "-exists")
+        with caplog.at_level(logging.WARNING, logger="kvoffload"):
+            # each lookup re-asks (miss_cache_s is short), each answer is an error reply
+            for _ in range(20):
+                assert lookup(m, key, give_up_s=20.0) is LookupResult.MISS
+                time.sleep(0.02)
+        warnings = [r.getMessage() for r in caplog.records]
+        assert len(warnings) == 1 and "no permissions" in warnings[0], warnings
+        assert not m.has_pending_work()
+        admin.execute_command("ACL", "SETUSER", "default", "+exists")
+        wait_until(lambda: lookup(m, key) is LookupResult.HIT, "a HIT once EXISTS is allowed again")
+    finally:
+        admin.close()
         tier.shutdown()

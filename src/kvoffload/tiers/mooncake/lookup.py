@@ -4,16 +4,15 @@ batch_is_exist call per round instead of an EXISTS pipeline."""
 
 from __future__ import annotations
 
-import logging
 import time
 
 from kvoffload.tiers.mooncake.client import network_failed
 from kvoffload.tiers.remote.lookup import ExistenceChecker
 
-log = logging.getLogger(__name__)
-
 
 class MooncakeExistenceChecker(ExistenceChecker):
+    tier_name = "mooncake"
+
     def _check(self, keys: list[bytes]) -> None:
         backoff = self._state.backoff
         if not backoff.available():
@@ -23,12 +22,12 @@ class MooncakeExistenceChecker(ExistenceChecker):
         try:
             answers = self._client.batch_is_exist(self._keyspace.redis_keys(keys))
         except Exception as e:  # noqa: BLE001 - e.g. a closed client: unknown, not a crash
-            log.warning("mooncake lookup error: %s", e)
+            self.warn("mooncake lookup error: %s", e)
             answers = [-1] * len(keys)
         if len(answers) != len(keys) or any(network_failed(a) for a in answers):
             backoff.failed()
             self.results.extend((k, None) for k in keys)
             return
         backoff.succeeded()
-        # 1 present, 0 absent, other codes: unknown (ask again later)
+        # 1 present, 0 absent, other codes: unknown (the manager's short-lived miss)
         self.results.extend((k, None if a < 0 else a == 1) for k, a in zip(keys, answers))

@@ -4,7 +4,11 @@ The manager queues keys it has no fresh answer for and answers RETRY; this
 thread waits a moment so the keys looked up during one scheduler step go
 out together (or until on_schedule_end flushes), sends one pipeline of
 EXISTS, and leaves (key, present) answers in `results` for the manager to
-pick up. present is None when the server could not be asked.
+pick up. present is None when the server could not be asked or answered
+with an error; the manager takes that as a short-lived miss. The thread
+survives any exception (answering None for that round's keys), and logs
+at most one warning per WARN_EVERY_S: a server that errs on every round
+would otherwise write hundreds of lines a second.
 
 `busy_since` says since when the current round has been waiting on the
 server (0.0: not waiting), so the manager can stop queueing lookups
@@ -27,9 +31,16 @@ from kvoffload.tiers.remote.value import KeySpace
 log = logging.getLogger(__name__)
 
 PIPELINE_KEYS = 4096  # EXISTS per pipeline round
+WARN_EVERY_S = 10.0
+# Failures that mean the server or cluster cannot be asked now: back off.
+# redis-py's cluster errors (e.g. RedisClusterUnreachableError once every
+# node is down) derive from Exception, not RedisError.
+UNREACHABLE = (*NETWORK_ERRORS, redis.exceptions.RedisClusterException)
 
 
 class ExistenceChecker:
+    tier_name = "remote"  # in log lines
+
     def __init__(self, client, keyspace: KeySpace, state: SharedState, coalesce_s: float):
         self._client = client
         self._keyspace = keyspace
@@ -41,6 +52,8 @@ class ExistenceChecker:
         self._flush = threading.Event()
         self._stopping = False
         self.busy_since = 0.0
+        self._warned_at = float("-inf")
+        self._unwarned = 0  # warnings left out since the last one logged
         self._thread = threading.Thread(target=self._run, name="kvoffload-remote-lookup", daemon=True)
         self._thread.start()
 
@@ -73,10 +86,25 @@ class ExistenceChecker:
             while self._queue:
                 keys.append(self._queue.popleft())
             for i in range(0, len(keys), PIPELINE_KEYS):
+                batch = keys[i : i + PIPELINE_KEYS]
                 try:
-                    self._check(keys[i : i + PIPELINE_KEYS])
+                    self._check(batch)
+                except Exception as e:  # noqa: BLE001 - whatever it was, lookups must go on being answered
+                    self.warn("%s lookup failed: %r", self.tier_name, e)
+                    self.results.extend((k, None) for k in batch)
                 finally:
                     self.busy_since = 0.0
+
+    def warn(self, msg: str, *args) -> None:
+        """log.warning, at most once per WARN_EVERY_S (the rest are counted)."""
+        now = time.monotonic()
+        if now - self._warned_at < WARN_EVERY_S:
+            self._unwarned += 1
+            return
+        if self._unwarned:
+            msg, args = msg + " (%d more such warnings left out)", (*args, self._unwarned)
+        self._warned_at, self._unwarned = now, 0
+        log.warning(msg, *args)
 
     def _check(self, keys: list[bytes]) -> None:
         backoff = self._state.backoff
@@ -95,13 +123,13 @@ class ExistenceChecker:
             for rk in rkeys:
                 pipe.exists(rk)
             answers = pipe.execute()
-        except NETWORK_ERRORS as e:
+        except UNREACHABLE as e:
             backoff.failed()
             log.debug("remote lookup failed: %s", e)
             self.results.extend((k, None) for k in keys)
             return
-        except redis.RedisError as e:  # e.g. cluster resharding: unknown, ask again later
-            log.warning("remote lookup error: %s", e)
+        except redis.RedisError as e:  # an error reply (NOPERM, BUSY, CLUSTERDOWN, TRYAGAIN): unknown
+            self.warn("remote lookup error: %s", e)
             self.results.extend((k, None) for k in keys)
             return
         backoff.succeeded()

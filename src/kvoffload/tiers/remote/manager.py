@@ -6,10 +6,11 @@ answers: keys known present (trusted for lookup_cache_s) or absent (for
 the shorter miss_cache_s, so blocks other engines store show up soon),
 keys whose existence check is in flight, and keys this process is
 storing. It never waits on the network: an unknown key is queued for the
-background checker and answered RETRY, and a key still unanswered
-lookup_deadline_s after it was first asked is a MISS (as is a new key
-while the checker has been stuck longer than that), so a paused or slow
-server delays a request by at most that deadline.
+background checker and answered RETRY; a key the checker got no answer
+for (server down, error reply) counts as absent for miss_cache_s; a key
+still unanswered lookup_deadline_s after it was first asked is a MISS (as
+is a new key while the checker has been stuck longer than that), so a
+paused, slow or erring server delays a request by at most that deadline.
 """
 
 from __future__ import annotations
@@ -79,8 +80,8 @@ class RemoteOffloadingManager(OffloadingManager):
             while results:
                 key, present = results.popleft()
                 self._checking.pop(key, None)
-                if present is None:  # not asked (server down): no answer to cache
-                    continue
+                # None (server down, or an error reply) is a miss for miss_cache_s: asking again at
+                # once would give the key a fresh deadline, RETRY for as long as the server errs
                 if present:
                     self._remember(self._present, key, hit_exp)
                 else:
