@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from kvoffload.abstractions import LookupResult
+from kvoffload.config import ConfigError
 from kvoffload.tiers.remote.server import LocalServer, free_port
 from remote_helpers import fill, keys_for, load, lookup, make_tier, store
 
@@ -58,11 +59,38 @@ def test_tls_round_trip(tls_server, prefix):
         tier.shutdown()
 
 
-def test_tls_unverified_certificate_is_refused(tls_server, prefix):
-    url, _ca = tls_server  # no CA given: the self-signed server certificate does not verify
-    tier, m, w, pool = make_tier(url, prefix, connect_timeout_s=0.5, socket_timeout_s=0.5)
+@pytest.mark.parametrize("host, give_ca", [
+    ("127.0.0.1", False),  # no CA given: the server's certificate is signed by an unknown CA
+    ("localhost", True),  # right CA, but the certificate is for 127.0.0.1 only
+])
+def test_a_certificate_that_does_not_verify_is_a_startup_error(tls_server, prefix, host, give_ca):
+    """It would never verify later either: one ConfigError naming the keys,
+    not a warning and misses for the life of the process."""
+    url, ca = tls_server
+    url = url.replace("127.0.0.1", host)
+    with pytest.raises(ConfigError, match=r"does not verify.*remote\.tls_ca_certs.*remote\.tls_verify") as e:
+        make_tier(url, prefix, **({"tls_ca_certs": ca} if give_ca else {}))
+    assert "\n" not in str(e.value)
+
+
+def test_an_unreachable_tls_server_is_an_outage_not_an_error(tls_server, prefix):
+    _url, ca = tls_server
+    tier, m, w, pool = make_tier(f"rediss://127.0.0.1:{free_port()}/0", prefix, tls_ca_certs=ca,
+                                 connect_timeout_s=0.5, socket_timeout_s=0.5)
     try:
         assert not tier.reachable_at_start
         assert not store(m, w, keys_for(1, seed=61), [0])
     finally:
         tier.shutdown()
+
+
+@pytest.mark.parametrize("ca_file, why", [
+    ("missing.pem", "cannot read it"),
+    ("not-a-cert.pem", "not a PEM certificate bundle"),
+])
+def test_a_bad_ca_file_is_a_startup_error(tls_server, prefix, tmp_path, ca_file, why):
+    url, _ca = tls_server
+    (tmp_path / "not-a-cert.pem").write_text("hello\n")
+    path = str(tmp_path / ca_file)
+    with pytest.raises(ConfigError, match=rf"remote\.tls_ca_certs '{path}': {why}"):
+        make_tier(url, prefix, tls_ca_certs=path)

@@ -11,6 +11,7 @@ the host pool without intermediate copies.
 from __future__ import annotations
 
 import logging
+import ssl
 import threading
 import time
 
@@ -42,8 +43,37 @@ def client_kwargs(cfg: RemoteConfig) -> dict:
     if cfg.url.startswith(("rediss://", "valkeys://")):
         kw["ssl_cert_reqs"] = "required" if cfg.tls_verify else "none"
         if cfg.tls_ca_certs:
+            _check_ca_file(cfg.tls_ca_certs)
             kw["ssl_ca_certs"] = cfg.tls_ca_certs
     return kw
+
+
+def _check_ca_file(path: str) -> None:
+    """Load the CA bundle now: a missing or wrong file is a settings error,
+    not an outage (redis-py would only fail each connect with errno 2)."""
+    try:
+        ssl.create_default_context(cafile=path)
+    except ssl.SSLError as e:  # an OSError too: caught first
+        raise ConfigError(f"remote.tls_ca_certs {path!r}: not a PEM certificate bundle ({e.reason or e})") from None
+    except OSError as e:
+        raise ConfigError(f"remote.tls_ca_certs {path!r}: cannot read it "
+                          f"({e.strerror or type(e).__name__})") from None
+
+
+def _bad_certificate(e: BaseException, cfg: RemoteConfig) -> ConfigError | None:
+    """A ConfigError if a certificate verification failure is behind a
+    redis-py error: it would never verify later either, so it is a setting
+    to fix, not an outage to wait out."""
+    for _ in range(5):  # redis-py raises ConnectionError from the ssl error
+        if e is None:
+            return None
+        if isinstance(e, ssl.SSLCertVerificationError):
+            return ConfigError(
+                f"remote tier: the TLS certificate of {cfg.redacted_url} does not verify "
+                f"({e.verify_message or e.reason}); set remote.tls_ca_certs to the CA that signed it "
+                f"(or remote.tls_verify: false to skip the check)")
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _normal_url(url: str) -> str:
@@ -70,15 +100,19 @@ def build_client(cfg: RemoteConfig) -> redis.Redis | redis.cluster.RedisCluster:
             raise ConfigError(f"remote tier: authentication to cluster {cfg.redacted_url} failed ({e}); "
                               f"check remote.password / remote.username") from None
         except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
+            bad_cert = _bad_certificate(e, cfg)
+            if bad_cert is not None:
+                raise bad_cert from None
             raise ConfigError(f"remote tier: cannot use {cfg.redacted_url} as a Redis Cluster "
                               f"(remote.cluster is true): {e}") from None
     return redis.Redis.from_url(url, **kw)
 
 
 def check_server(client, cfg: RemoteConfig) -> bool:
-    """PING once at start-up. A bad password or ACL is a configuration
-    error (raised now, clearly); an unreachable server is not: the tier
-    starts and answers misses until the server comes back."""
+    """PING once at start-up. A bad password or ACL, or a TLS certificate
+    that does not verify, is a configuration error (raised now, clearly);
+    an unreachable server is not: the tier starts and answers misses until
+    the server comes back."""
     try:
         client.ping()
         return True
@@ -93,6 +127,9 @@ def check_server(client, cfg: RemoteConfig) -> bool:
             raise ConfigError(f"remote tier: server {cfg.redacted_url} refused the credentials: {e}") from None
         raise ConfigError(f"remote tier: server {cfg.redacted_url} answered PING with an error: {e}") from None
     except NETWORK_ERRORS as e:
+        bad_cert = _bad_certificate(e, cfg)
+        if bad_cert is not None:
+            raise bad_cert from None
         log.warning("remote tier: %s unreachable at start-up (%s); serving misses until it is back",
                     cfg.redacted_url, e)
         return False
