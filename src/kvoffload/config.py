@@ -43,6 +43,20 @@ def positive_number(value: Any, key: str) -> float:
     return value
 
 
+MIN_TIMEOUT_S = 0.001  # the kernel takes socket timeouts in whole microseconds: 0 there means "none"
+MAX_SECONDS = 3600.0  # any longer is a mistake; an infinite one overflows the timeouts it becomes
+
+
+def seconds(value: Any, key: str, minimum: float = 0.0) -> float:
+    """A positive duration, at least minimum and at most MAX_SECONDS."""
+    positive_number(value, key)
+    if value < minimum:
+        raise ConfigError(f"{key} must be at least {minimum:g} s, got {value!r}")
+    if not value <= MAX_SECONDS:
+        raise ConfigError(f"{key} must be at most {MAX_SECONDS:g} s, got {value!r}")
+    return value
+
+
 def parse_bytes(value: Any, key: str) -> int:
     """An int of bytes, or a string such as '4GiB', '512MB', '1.5G'."""
     if isinstance(value, str):

@@ -77,6 +77,12 @@ def test_dead_metadata_server_at_start_is_one_clear_line(mooncake):
     ({"url": "mooncake://127.0.0.1"}, "HOST:PORT"),
     ({"mac_key_env": "KVO_UNSET_MAC_VAR"}, "mooncake.mac_key_env 'KVO_UNSET_MAC_VAR'"),
     ({"masteraddress": "x"}, "unknown key 'masteraddress'.*master_address"),
+    ({"url": 5}, "mooncake.url must be a string"),
+    ({"url": ["x"]}, "mooncake.url must be a string"),
+    ({"url": "mooncake://[::1"}, r"mooncake\.url 'mooncake://\[::1': Invalid IPv6 URL"),
+    ({"metadata_server": "http://127.0.0.1:99999/metadata"}, r"mooncake\.metadata_server .*Port out of range"),
+    ({"rpc_timeout_s": float("inf")}, r"mooncake\.rpc_timeout_s must be at most"),
+    ({"connect_timeout_s": 1e-7}, r"mooncake\.connect_timeout_s must be at least"),
 ])
 def test_bad_config_names_the_key(conf, match, monkeypatch):
     monkeypatch.delenv("KVO_UNSET_MAC_VAR", raising=False)

@@ -26,6 +26,18 @@ from kvoffload.tiers.remote.connection import Backoff
     ({"lookup_deadline_s": 0.001, "lookup_coalesce_s": 0.002}, "remote.lookup_deadline_s"),
     ({"mac_key_file": 5}, "remote.mac_key_file"),
     ({"mac_key_file": "/k", "mac_key_env": "K"}, "remote.mac_key_file"),
+    # a URL urlsplit / redis-py cannot read: named here, not a ValueError at start-up
+    ({"url": "redis://127.0.0.1:99999/0"}, "remote.url"),
+    ({"url": "redis://127.0.0.1:abc/0"}, "remote.url"),
+    ({"url": "redis://127.0.0.1:0/0"}, "remote.url"),
+    ({"url": "redis://[::1/0"}, "remote.url"),
+    # below a microsecond the kernel's timeout is 0 (none: a hung server blocks forever);
+    # infinite ones overflow at connect
+    ({"socket_timeout_s": 1e-7}, "remote.socket_timeout_s"),
+    ({"connect_timeout_s": float("inf")}, "remote.connect_timeout_s"),
+    ({"socket_timeout_s": 1e300}, "remote.socket_timeout_s"),
+    ({"lookup_cache_s": float("inf")}, "remote.lookup_cache_s"),
+    ({"ttl_s": 10**16}, "remote.ttl_s"),  # Redis would refuse every SET
 ])
 def test_bad_values_name_the_key(bad, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -64,3 +76,10 @@ def test_backoff_doubles_to_cap_and_resets():
     assert delays == [0.01, 0.02, 0.04, 0.04] and not b.available() and b.is_down
     b.succeeded()
     assert b.available() and b.reconnects == 1 and not b.is_down
+
+
+def test_a_url_redis_py_cannot_read_is_a_config_error():
+    from kvoffload.tiers.remote.connection import build_client
+
+    with pytest.raises(ConfigError, match=r"remote\.url 'redis://:\*\*\*@127\.0\.0\.1:1/0\?db=x': .*'db'"):
+        build_client(RemoteConfig(url="redis://:pw@127.0.0.1:1/0?db=x"))

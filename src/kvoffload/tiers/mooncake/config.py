@@ -11,7 +11,7 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlsplit
 
-from kvoffload.config import ConfigError, check_known_keys, parse_bytes, positive_int, positive_number
+from kvoffload.config import MIN_TIMEOUT_S, ConfigError, check_known_keys, parse_bytes, positive_int, seconds
 from kvoffload.tiers.remote.config import RemoteConfig
 
 METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://")
@@ -67,6 +67,11 @@ class MooncakeConfig:
         if not isinstance(ms, str) or not (ms == "P2PHANDSHAKE" or ms.startswith(METADATA_SCHEMES)):
             raise ConfigError(f"mooncake.metadata_server must be an http://, etcd:// or redis:// address "
                               f"or P2PHANDSHAKE, got {ms!r}")
+        if ms.startswith(("http://", "https://")):  # start-up connects to it: a bad port must be named here
+            try:
+                urlsplit(ms).port
+            except ValueError as e:
+                raise ConfigError(f"mooncake.metadata_server {ms!r}: {e}") from None
         if self.protocol not in ("tcp", "rdma"):
             raise ConfigError(f"mooncake.protocol must be 'tcp' or 'rdma', got {self.protocol!r}")
         for key in ("local_hostname", "device_names", "key_prefix"):
@@ -81,9 +86,11 @@ class MooncakeConfig:
             raise ConfigError(f"mooncake.segment_bytes must be a size >= 0, got {self.segment_bytes!r}")
         for key in ("local_buffer_bytes", "replicas", "io_threads", "batch_bytes", "max_queue_bytes"):
             positive_int(getattr(self, key), f"mooncake.{key}")
-        for key in ("connect_timeout_s", "rpc_timeout_s", "lookup_cache_s", "miss_cache_s", "lookup_coalesce_s",
-                    "lookup_deadline_s", "backoff_initial_s", "backoff_max_s"):
-            positive_number(getattr(self, key), f"mooncake.{key}")
+        for key in ("connect_timeout_s", "rpc_timeout_s"):
+            seconds(getattr(self, key), f"mooncake.{key}", MIN_TIMEOUT_S)
+        for key in ("lookup_cache_s", "miss_cache_s", "lookup_coalesce_s", "lookup_deadline_s", "backoff_initial_s",
+                    "backoff_max_s"):
+            seconds(getattr(self, key), f"mooncake.{key}")
         if self.backoff_max_s < self.backoff_initial_s:
             raise ConfigError(f"mooncake.backoff_max_s ({self.backoff_max_s}) must be >= "
                               f"mooncake.backoff_initial_s ({self.backoff_initial_s})")
@@ -108,15 +115,17 @@ class MooncakeConfig:
     def url_fields(url: str) -> dict[str, Any]:
         """mooncake://HOST:RPC_PORT[?metadata_server=...&segment_bytes=...] as config keys.
         Without metadata_server: the master's own HTTP metadata server on HOST:8080."""
+        if not isinstance(url, str):
+            raise ConfigError(f"mooncake.url must be a string, got {type(url).__name__}")
         try:
             parts = urlsplit(url)
             query = dict(parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query)))
         except ValueError as e:
-            raise ConfigError(f"mooncake url {url!r}: {e}") from None
+            raise ConfigError(f"mooncake.url {url!r}: {e}") from None
         if parts.scheme != "mooncake" or not parts.netloc or parts.path not in ("", "/"):
-            raise ConfigError(f"mooncake url {url!r}: must be mooncake://HOST:PORT[?metadata_server=URL&...]")
-        check_known_keys(query, URL_KEYS, f"mooncake url {url!r} query")
-        host, _ = split_host_port(parts.netloc, "mooncake url's HOST:PORT")
+            raise ConfigError(f"mooncake.url {url!r}: must be mooncake://HOST:PORT[?metadata_server=URL&...]")
+        check_known_keys(query, URL_KEYS, f"mooncake.url {url!r} query")
+        host, _ = split_host_port(parts.netloc, "mooncake.url's HOST:PORT")
         return {"master_address": parts.netloc,
                 "metadata_server": f"http://{host}:{DEFAULT_METADATA_PORT}/metadata", **query}
 

@@ -12,11 +12,12 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
-from kvoffload.config import ConfigError, check_known_keys, parse_bytes, positive_int, positive_number
+from kvoffload.config import MIN_TIMEOUT_S, ConfigError, check_known_keys, parse_bytes, positive_int, seconds
 from kvoffload.redact import MASK, redact_url
 
 SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
 MIN_MAC_KEY_BYTES = 16
+MAX_TTL_S = 10 * 365 * 86400  # 10 years; Redis refuses every SET beyond about 9e15 s
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,14 @@ class RemoteConfig:
     def __post_init__(self):
         if not isinstance(self.url, str):
             raise ConfigError(f"remote.url must be a string, got {self.url!r}")
-        scheme = urlsplit(self.url).scheme
+        try:
+            parts = urlsplit(self.url)
+            port = parts.port  # checks it
+        except ValueError as e:  # e.g. "Invalid IPv6 URL", "Port out of range 0-65535"
+            raise ConfigError(f"remote.url {self.redacted_url!r}: {e}") from None
+        if port == 0:
+            raise ConfigError(f"remote.url {self.redacted_url!r}: the port must be in 1..65535")
+        scheme = parts.scheme
         if scheme not in SCHEMES:
             raise ConfigError(f"remote.url {self.redacted_url!r}: scheme must be one of {list(SCHEMES)}")
         if self.cluster and scheme in ("unix",):
@@ -71,11 +79,16 @@ class RemoteConfig:
         for key in ("cluster", "tls_verify"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"remote.{key} must be true or false, got {getattr(self, key)!r}")
-        for key in ("connect_timeout_s", "socket_timeout_s", "lookup_cache_s", "miss_cache_s", "lookup_coalesce_s",
-                    "lookup_deadline_s", "backoff_initial_s", "backoff_max_s"):
-            positive_number(getattr(self, key), f"remote.{key}")
+        for key in ("connect_timeout_s", "socket_timeout_s"):
+            seconds(getattr(self, key), f"remote.{key}", MIN_TIMEOUT_S)
+        for key in ("lookup_cache_s", "miss_cache_s", "lookup_coalesce_s", "lookup_deadline_s", "backoff_initial_s",
+                    "backoff_max_s"):
+            seconds(getattr(self, key), f"remote.{key}")
         if self.ttl_s is not None:
             positive_int(self.ttl_s, "remote.ttl_s")
+            if self.ttl_s > MAX_TTL_S:  # every store would fail ("invalid expire time"), counted, unlogged
+                raise ConfigError(f"remote.ttl_s must be at most {MAX_TTL_S} (10 years), got {self.ttl_s}; "
+                                  f"leave it unset for no expiry")
         positive_int(self.io_threads, "remote.io_threads")
         positive_int(self.batch_bytes, "remote.batch_bytes")
         positive_int(self.max_queue_bytes, "remote.max_queue_bytes")

@@ -90,6 +90,10 @@ def build_client(cfg: RemoteConfig) -> redis.Redis | redis.cluster.RedisCluster:
     touches the network here except cluster topology discovery."""
     url = _normal_url(cfg.url)
     kw = client_kwargs(cfg)
+    try:
+        redis.connection.parse_url(url)  # what from_url would raise on, e.g. ?db=x
+    except ValueError as e:
+        raise ConfigError(f"remote.url {cfg.redacted_url!r}: {e}") from None
     if cfg.cluster:
         from redis.cluster import RedisCluster
 
