@@ -30,7 +30,7 @@ class RemoteConfig:
     key_prefix: str = "kvoffload"  # keys: <prefix>:<namespace digest>:<hex key>
     cluster: bool = False  # Redis Cluster (redis.cluster.RedisCluster)
     connect_timeout_s: float = 1.0
-    socket_timeout_s: float = 2.0  # per socket operation, bounds every network wait
+    socket_timeout_s: float = 2.0  # per send/receive call: a stalled transfer takes up to 2-3x (docs/REMOTE.md)
     ttl_s: int | None = None  # SET ... EX ttl_s; None leaves expiry to the server
     lookup_cache_s: float = 2.0  # how long a "present" answer is trusted
     miss_cache_s: float = 0.25  # how long an "absent" answer is trusted (short: other engines store)

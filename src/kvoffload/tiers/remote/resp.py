@@ -19,7 +19,9 @@ pool, so nothing else reads from or changes that socket.
 Plain (non-TLS) sockets are switched to blocking mode with the same timeout
 as kernel SO_RCVTIMEO / SO_SNDTIMEO: every wait stays bounded by
 remote.socket_timeout_s, without Python's poll() before each recv, and
-MSG_WAITALL can fill a whole value in one call.
+MSG_WAITALL can fill a whole value in one call. The bound is per call:
+a timed-out call returns what it got and the loop calls again, so a
+stalled transfer gives up after 2-3 timeouts (documented in docs/REMOTE.md).
 
 Callers must treat any exception as "connection state unknown" and close.
 """
