@@ -480,3 +480,20 @@ def test_released_fenced_slots_serve_the_engine_but_hold_promotions_until_flushe
     assert r.mgr.lookup(key(0), a) is PENDING
     r.settle()
     assert r.mgr.lookup(key(0), a) is HIT
+
+
+def test_a_tier_whose_reset_fails_does_not_stop_the_reset(rig, monkeypatch):
+    """The storage tier logs its own disk errors; this guards any tier (a
+    plugin's) whose reset raises: nothing reaches the engine, and the reset's
+    later steps (the per-request cleanup) still run."""
+    r = rig(cpu_chunks=4)
+
+    def broken():
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(r.tier.manager, "reset_cache", broken)
+    b = r.request("b")
+    assert r.mgr.prepare_store([key(1)], b)  # engine store in flight at the reset
+    r.mgr.on_request_finished(b)
+    r.mgr.reset_cache()
+    assert not r.mgr.tracks("b")  # finished at the reset, as when every tier resets fine

@@ -18,6 +18,7 @@ idle engine still makes (_apply_finished_on_query).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Iterable
 
 from kvoffload.abstractions import (
@@ -42,6 +43,8 @@ from kvoffload.tiering.state import RequestState
 from kvoffload.tiering.tier import Tier
 from kvoffload.tiers.base import TierWorker
 from kvoffload.tiers.cpu.manager import BlockStateError, CPUOffloadingManager
+
+log = logging.getLogger(__name__)
 
 _MISS, _HIT, _PENDING, _RETRY = (LookupResult.MISS, LookupResult.HIT,
                                  LookupResult.HIT_PENDING, LookupResult.RETRY)
@@ -393,7 +396,10 @@ class TieringManager(OffloadingManager):
                 self._unhold(st, list(st.held))
         self.primary.reset_cache()
         for t in self.tiers:
-            t.manager.reset_cache()
+            try:
+                t.manager.reset_cache()
+            except Exception as e:  # one tier's failure must not skip the others nor the per-request cleanup
+                log.warning("tier %r: cache reset failed: %s", t.name, e)
             if t.admission is not None:
                 t.admission.clear()
         for st in list(self._requests.values()):

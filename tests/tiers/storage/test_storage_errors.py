@@ -126,7 +126,7 @@ def test_path_must_be_a_string(tmp_path, monkeypatch, path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("content", [b"", b"\0\0\0", b'{"model": "test-mo'])
+@pytest.mark.parametrize("content", [b"", b"\0\0\0", b'{"model": "test-mo', b"[" * 30000 + b"]" * 30000])
 def test_empty_or_damaged_namespace_json(make_tier, pool, content):
     """A crash right after creation can leave it empty: with nothing indexed
     it is rebuilt; with chunks indexed it is a one-line error naming the file."""
@@ -158,3 +158,24 @@ def test_open_failing_late_removes_the_files_it_created(tmp_path):
         StorageTier(str(tmp_path / "store"), 8 * CHUNK, CHUNK, NS)
     assert "\n" not in str(e.value)
     assert sorted(p.name for p in d.iterdir()) == ["index.log"]  # ours gone, the rest untouched
+
+
+def test_an_unreadable_block_is_dropped_and_not_counted_as_loaded(make_tier, pool):
+    """A slab cut short under the open tier (a short read; EIO takes the same
+    path): the load fails, the block answers MISS from then on instead of
+    failing every load, and only the good load is counted."""
+    tier = make_tier(capacity_slots=8)
+    mgr = tier.get_manager()
+    for i in (0, 1):
+        fill(pool, i, key(i))
+    assert store(tier, pool, [key(0), key(1)], [0, 1])  # slots 0 and 1: slab-0 and slab-1
+    os.truncate(tier.store.dir / "slab-0.bin", 0)
+    assert mgr.lookup(key(0), CTX) is LookupResult.HIT
+    assert not load(tier, pool, [key(0)], [2], job_id=5)
+    assert mgr.lookup(key(0), CTX) is LookupResult.MISS
+    assert mgr.lookup(key(0), CTX) is LookupResult.MISS
+    assert load(tier, pool, [key(1)], [3], job_id=6)
+    c = mgr.get_stats().counters
+    assert c["load_failures"] == 1 and c.get("checksum_failures", 0) == 0, c
+    assert c["loaded_blocks"] == 1 and c["loaded_bytes"] == CHUNK, c
+

@@ -9,6 +9,7 @@ import pwd
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 
 import pytest
@@ -101,3 +102,32 @@ def test_created_files_are_private(make_tier):
     d = make_tier().store.dir
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
     assert not [f for f in os.listdir(d) if f.endswith(".tmp")]
+
+
+OPEN = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from kvoffload.tiers.storage.store import StorageError
+from kvoffload.tiers.storage.tier import StorageTier
+from storage_helpers import CHUNK, NS
+try:
+    StorageTier(sys.argv[1], 8 * CHUNK, CHUNK, NS)
+except StorageError as e:
+    print(e)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("name", ["namespace.json", "index.log"])
+def test_a_fifo_in_our_directory_is_refused_not_waited_on(tmp_path, make_tier, name):
+    """Opening a FIFO to read blocks until a writer comes: in a child with a
+    time limit, so a regression fails instead of hanging the suite."""
+    tier = make_tier(capacity_slots=8)
+    d = tier.store.dir
+    close(tier)
+    os.unlink(d / name)
+    os.mkfifo(d / name, 0o600)
+    out = subprocess.run([sys.executable, "-c", OPEN, str(tmp_path / "store")], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 3 and out.stdout.count("\n") == 1, out
+    assert f"{d / name}" in out.stdout and "not a regular file" in out.stdout, out

@@ -7,7 +7,9 @@ Crash safety rests on ordering, not on the log alone:
 - before a slot that a durable PUT names is overwritten, a FREE for it is
   appended and made durable.
 So after a kill -9 at any moment, every PUT the log holds (and no later FREE
-cancels) names bytes that are on disk.
+cancels) names bytes that are on disk. An append is all or nothing: one a
+full disk cuts short fails and is cut back to the last whole record, so no
+store is acknowledged, and no slot overwritten, on a record not on disk.
 
 Every record checks itself (its xxh64, seeded by the geometry), so a damaged
 record is skipped and counted and the rest are kept: a lost PUT is a lost
@@ -23,7 +25,9 @@ a small multiple of the live index, so it stays bounded over a long run.
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 import struct
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -163,6 +167,27 @@ def replay_fd(fd: int, geometry: Geometry, num_slots: int) -> Replayed:
     return out
 
 
+def write_all(fd: int, data) -> None:
+    """os.write until every byte is written: on a full disk Linux writes what
+    fits and returns a short count, and only the next write raises ENOSPC."""
+    view = memoryview(data)
+    while view:
+        n = os.write(fd, view)
+        if n <= 0:  # never for a regular file; do not spin on it
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        view = view[n:]
+
+
+def open_regular(name: str, dir_fd: int, flags: int = 0) -> int:
+    """O_RDONLY descriptor of dir/name, refused (OSError naming it) unless a
+    regular file: O_NONBLOCK so a FIFO planted there cannot hang the open."""
+    fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC | flags, dir_fd=dir_fd)
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not a regular file: refusing it", name)
+    return fd
+
+
 def write_atomically(dir_fd: int, name: str, chunks: Iterable[bytes]) -> None:
     """Replace dir/name with the given bytes: a new file created exclusively
     (never through a link), fsync'd, renamed over the old one, then the
@@ -174,13 +199,18 @@ def write_atomically(dir_fd: int, name: str, chunks: Iterable[bytes]) -> None:
         pass
     fd = os.open(tmp, _O_NEW, 0o600, dir_fd=dir_fd)
     try:
-        for chunk in chunks:
-            view = memoryview(chunk)
-            while view:
-                view = view[os.write(fd, view):]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        try:
+            for chunk in chunks:
+                write_all(fd, chunk)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException:
+        try:  # give back the space it took (a full disk is the likely cause)
+            os.unlink(tmp, dir_fd=dir_fd)
+        except OSError:
+            pass
+        raise
     os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     os.fsync(dir_fd)
 
@@ -196,8 +226,12 @@ class IndexLog:
         self.geometry = geometry
         self._seed = geometry.seed()
         self._fd = -1
+        # the file may disagree with what the caller holds as durable (an
+        # append that failed and could not be cut back, or a reset that voided
+        # it): the caller rewrites it before the next append
+        self.dirty = False
         try:
-            fd = os.open(self.NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+            fd = open_regular(self.NAME, dir_fd)
         except FileNotFoundError:
             found = Replayed()
         else:
@@ -223,17 +257,45 @@ class IndexLog:
                 yield b"".join(self.pack(OP_PUT, s, c, k) for s, (k, c) in entries[i : i + READ_RECORDS])
 
         write_atomically(self.dir_fd, self.NAME, chunks())
-        fd = os.open(self.NAME, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dir_fd)
+        try:
+            fd = os.open(self.NAME, os.O_WRONLY | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.dir_fd)
+        except OSError:  # never append to the replaced file: reopen at the next append
+            self.close()
+            self.dirty = True
+            raise
         if self._fd >= 0:
             os.close(self._fd)
         self._fd = fd
         self.records = 1 + len(entries)
+        self.dirty = False
 
     def append(self, records: bytes) -> None:
-        """Append packed records and make them durable before returning."""
-        os.write(self._fd, records)
-        os.fdatasync(self._fd)
+        """Append packed records and make them durable before returning. If
+        that fails (a full disk takes part of them), the file is cut back to
+        its last good record, so a failed commit leaves no record behind; if
+        even that fails, the log is marked dirty."""
+        try:
+            write_all(self._fd, records)
+            os.fdatasync(self._fd)
+        except OSError:
+            try:  # shrinking needs no free space
+                os.ftruncate(self._fd, self.records * RECORD_BYTES)
+                os.fsync(self._fd)
+            except OSError:
+                self.dirty = True
+            raise
         self.records += len(records) // RECORD_BYTES
+
+    def void(self) -> None:
+        """Durably drop every record but the header, needing no free space
+        (a cache reset on a full disk)."""
+        try:
+            os.ftruncate(self._fd, RECORD_BYTES)
+            os.fsync(self._fd)
+        except OSError:
+            self.dirty = True
+            raise
+        self.records = 1
 
     def needs_compaction(self, live: int) -> bool:
         return self.records > 2 * live + COMPACT_SLACK

@@ -8,6 +8,7 @@ the shared SlabStore, dropping their keys (a miss) and counting them.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Collection, Iterable, Sequence
 
 from kvoffload.abstractions import (
@@ -27,6 +28,8 @@ from kvoffload.policies import get_policy_class
 from kvoffload.requests import low_retention, prefix_order
 from kvoffload.tiers.storage.index import MAX_KEY_BYTES
 from kvoffload.tiers.storage.store import SlabStore
+
+log = logging.getLogger(__name__)
 
 
 class StorageLoadStoreSpec(BlockIDsLoadStoreSpec):
@@ -85,11 +88,11 @@ class StorageOffloadingManager(OffloadingManager):
             self.policy.remove(key)
 
     def _drain_corrupt(self) -> None:
-        for slot in self.store.take_corrupt():
+        for slot, counter in self.store.take_corrupt():
             key = self._key_of.get(slot)
             if key is None:
                 continue
-            self._count("checksum_failures")
+            self._count(counter)
             self._event([key], True)
             if self._pins.get(key):
                 self._doomed.add(key)
@@ -142,8 +145,7 @@ class StorageOffloadingManager(OffloadingManager):
             self._pins.pop(key, None)
             if key in self._doomed:
                 self._drop(key)
-        self._count("loaded_blocks", len(keys))
-        self._count("loaded_bytes", len(keys) * self.store.slot_bytes)
+        # loaded_blocks: counted by the worker, which knows whether the read succeeded
 
     def _can_evict(self, key: OffloadKey) -> bool:
         return not self._pins.get(key) and key not in self._writing
@@ -217,13 +219,21 @@ class StorageOffloadingManager(OffloadingManager):
         for key in gone:
             self._drop(key)
         self._event(gone, True)
-        if not self._slot_of:
-            self.store.clear()
-        else:
-            self.store.commit([], [s for s in range(self.store.num_slots) if s not in self._key_of])
+        try:
+            if not self._slot_of:
+                self.store.clear()
+            else:
+                self.store.forget([s for s in range(self.store.num_slots) if s not in self._key_of])
+        except OSError as e:  # never into the engine: the blocks are forgotten here at least
+            log.warning("storage tier %r: cache reset not recorded on disk (%s): its blocks may be "
+                        "served again after a restart", self.name, e)
 
     def get_stats(self) -> OffloadingStats:
         self._drain_corrupt()
+        loaded = self.store.take_loaded()
+        if loaded:
+            self._count("loaded_blocks", loaded)
+            self._count("loaded_bytes", loaded * self.store.slot_bytes)
         counters, self._counters = self._counters, {}
         used = len(self._slot_of)
         cap = self.store.num_slots

@@ -31,7 +31,7 @@ from pathlib import Path
 from kvoffload.config import ConfigError
 from kvoffload.tiers.base import ALIGN, Namespace
 from kvoffload.tiers.storage.index import (
-    OP_FREE, OP_PUT, RECORD_BYTES, Geometry, IndexLog, write_atomically,
+    OP_FREE, OP_PUT, RECORD_BYTES, Geometry, IndexLog, open_regular, write_atomically,
 )
 
 log = logging.getLogger(__name__)
@@ -101,7 +101,7 @@ class SlabStore:
             name = self.dir / e.filename if isinstance(e.filename, str) else self.dir
             if e.errno == errno.ELOOP:
                 raise StorageError(f"{name} is a symbolic link: refusing to follow it") from None
-            raise StorageError(f"storage directory {self.dir}: {os.strerror(e.errno or 0)} "
+            raise StorageError(f"storage directory {self.dir}: {e.strerror or os.strerror(e.errno or 0)} "
                                f"({name})") from None
         except BaseException:
             self._undo()
@@ -112,7 +112,8 @@ class SlabStore:
         self.bad_index_records = self.index.bad_records
         self._lock = threading.Lock()
         self._commit_lock = threading.Lock()  # orders index appends and compactions
-        self._corrupt: list[int] = []
+        self._corrupt: list[tuple[int, str]] = []  # (slot, counter)
+        self._loaded = 0  # blocks of successful loads, counted by the worker
 
     def _make_dirs(self) -> None:
         missing = []
@@ -195,7 +196,7 @@ class SlabStore:
         meta = self.dir / "namespace.json"
         want = asdict(self.namespace)
         try:
-            fd = os.open("namespace.json", os.O_RDONLY | _NOFOLLOW, dir_fd=self._dir_fd)
+            fd = open_regular("namespace.json", self._dir_fd)
         except FileNotFoundError:
             self._write_namespace()
             self._made_files.append("namespace.json")
@@ -204,7 +205,7 @@ class SlabStore:
             raw = f.read(1 << 16)
         try:
             got = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
             got = None
         if not isinstance(got, dict):
             what = "empty" if not raw.strip() else "damaged (not a JSON object)"
@@ -295,7 +296,9 @@ class SlabStore:
         """One durable index append for many jobs (group commit): PUT
         (slot, key, checksum) entries, whose bytes must already be durable,
         then FREEs of slots about to be overwritten (only those the index
-        names). A slot can be in both: its new owner is evicted already."""
+        names). A slot can be in both: its new owner is evicted already.
+        Raises OSError with nothing applied if the records are not all
+        durable."""
         put_slots = {s for s, _, _ in puts}
         with self._commit_lock:
             with self._lock:
@@ -303,14 +306,25 @@ class SlabStore:
             pack = self.index.pack
             records = [pack(OP_PUT, s, c, k) for s, k, c in puts]
             records += [pack(OP_FREE, s) for s in held]
-            if records:
-                self.index.append(b"".join(records))
+            if records or self.index.dirty:
+                self._append(b"".join(records))
             with self._lock:  # visible to loads only once durable
                 for s, k, c in puts:
                     self.durable[s] = (k, c)
                 for s in held:
                     self.durable.pop(s, None)
             self._maybe_compact()
+
+    def _append(self, records: bytes) -> None:
+        """Append durably (the caller holds _commit_lock); a dirty log is
+        first replaced by the durable entries, so no record a failed append
+        left behind can name a slot about to be overwritten."""
+        if self.index.dirty:
+            with self._lock:
+                snapshot = list(self.durable.items())
+            self.index.rewrite(snapshot)
+        if records:
+            self.index.append(records)
 
     def _maybe_compact(self) -> None:
         """Rewrite the log as the live entries once it outgrows them (the
@@ -326,7 +340,10 @@ class SlabStore:
             log.warning("storage index %s: compaction failed: %s", self.dir, e)
 
     def names_any(self, slots) -> bool:
-        """Whether the index holds an entry for any of these slots."""
+        """Whether the index holds an entry for any of these slots (a dirty
+        log may hold anything: a store then passes a commit, which fixes it)."""
+        if self.index.dirty:
+            return True
         with self._lock:
             return any(s in self.durable for s in slots)
 
@@ -335,29 +352,60 @@ class SlabStore:
             entry = self.durable.get(slot)
         return None if entry is None else entry[1]
 
-    def report_corrupt(self, slot: int) -> None:
+    def report_corrupt(self, slot: int, counter: str = "checksum_failures") -> None:
+        """A slot that is bad (counter says how): dropped, never served again."""
         with self._commit_lock:
             with self._lock:
-                self._corrupt.append(slot)
+                self._corrupt.append((slot, counter))
                 self.durable.pop(slot, None)
             try:
-                self.index.append(self.index.pack(OP_FREE, slot))
+                self._append(self.index.pack(OP_FREE, slot))
             except OSError as e:
                 log.warning("storage index: cannot record a freed slot: %s", e)
 
-    def take_corrupt(self) -> list[int]:
-        """Slots found corrupt since the last call (for the manager)."""
+    def take_corrupt(self) -> list[tuple[int, str]]:
+        """(slot, counter) of the slots found bad since the last call (for the manager)."""
         if not self._corrupt:
             return []
         with self._lock:
             out, self._corrupt = self._corrupt, []
         return out
 
+    def count_loaded(self, n: int) -> None:
+        with self._lock:
+            self._loaded += n
+
+    def take_loaded(self) -> int:
+        with self._lock:
+            n, self._loaded = self._loaded, 0
+        return n
+
     def clear(self) -> None:
+        """Forget every entry, on disk too: the log is cut to its header, which
+        needs no free space (a reset must hold on a full disk)."""
         with self._commit_lock:
             with self._lock:
                 self.durable.clear()
-            self.index.rewrite([])
+            self.index.void()
+
+    def forget(self, slots: list[int]) -> None:
+        """Forget these slots (a reset keeping the rest), on disk too. If their
+        FREEs cannot be written (a full disk), the log is cut to its header
+        instead: the kept entries are then missing on disk (misses after a
+        restart, never stale blocks) until the next commit rewrites it."""
+        try:
+            self.commit([], slots)
+        except OSError as e:
+            with self._commit_lock:
+                with self._lock:
+                    for s in slots:
+                        self.durable.pop(s, None)
+                    kept = len(self.durable)
+                self.index.void()
+                self.index.dirty = True  # put the kept entries back with the next commit
+            log.warning("storage index %s: cannot record a cache reset (%s): index emptied on disk instead "
+                        "(%d blocks still in use are misses after a restart until the next store)",
+                        self.dir, e.strerror or e, kept)
 
     def sync_data(self, fds) -> None:
         """fdatasync the given slab files, concurrently: the filesystem

@@ -11,9 +11,11 @@ IO thread. A store job passes the commit thread twice:
 The commit thread takes every job waiting at once, so many jobs share one
 fdatasync per slab file and one index append (group commit).
 A load checks each chunk's xxhash against the index as it is read; a
-mismatch fails the job and the slot is reported corrupt (a miss, never
-served). IO errors fail the job (the tiering manager turns that into a miss
-or a dropped store) and never raise into the engine.
+mismatch, a short read or a read error fails the job and the slot is
+reported bad (a miss from then on, never served). IO errors fail the job
+(the tiering manager turns that into a miss or a dropped store) and never
+raise into the engine. Loaded blocks are counted here, for successful jobs
+only.
 """
 
 from __future__ import annotations
@@ -181,11 +183,17 @@ class StorageWorker(TierWorker):
                     raise OSError(f"short write to storage slot {job.slots[i]}")
             else:
                 expected = self.store.expected_checksum(job.slots[i])
-                if os.preadv(fd, [buf], off) != size:
-                    raise OSError(f"short read from storage slot {job.slots[i]}")
-                if expected is None or self._checksum(buf) != expected:
-                    log.warning("storage slot %d: checksum mismatch, dropped", job.slots[i])
-                    self.store.report_corrupt(job.slots[i])
+                bad = None
+                try:
+                    if os.preadv(fd, [buf], off) != size:  # a truncated slab
+                        bad, counter = "short read", "load_failures"
+                except OSError as e:  # EIO (a bad sector): as unreadable
+                    bad, counter = f"read error ({e.strerror or e})", "load_failures"
+                if bad is None and (expected is None or self._checksum(buf) != expected):
+                    bad, counter = "checksum mismatch", "checksum_failures"
+                if bad is not None:  # dropped, so it answers MISS from now on instead of failing every load
+                    log.warning("storage slot %d: %s, dropped", job.slots[i], bad)
+                    self.store.report_corrupt(job.slots[i], counter)
                     job.ok = False
 
     def _checksum(self, buf: memoryview) -> int:
@@ -228,6 +236,8 @@ class StorageWorker(TierWorker):
 
     def _finish(self, job: _Job) -> None:
         nbytes = len(job.slots) * self.store.slot_bytes if job.ok else 0
+        if job.ok and not job.is_store:
+            self.store.count_loaded(len(job.slots))
         self._finished.append(TransferResult(job.job_id, job.ok, nbytes,
                                              time.perf_counter() - job.start))
         with self._done:
