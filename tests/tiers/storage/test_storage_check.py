@@ -4,6 +4,7 @@ directory, changes nothing, and runs beside an engine holding it open."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import subprocess
 import sys
@@ -115,3 +116,43 @@ def test_runs_beside_an_engine_holding_the_directory(make_tier, pool):
     assert out.returncode == 0 and "1 chunk," in out.stdout, out
     fill(pool, 1, key(2))
     assert store(tier, pool, [key(2)], [1], job_id=2)  # the engine was not disturbed
+
+
+NO_GEOMETRY = "index header damaged and the geometry cannot be inferred"
+
+
+def _zero_header(d) -> None:
+    with open(d / "index.log", "r+b") as f:
+        f.write(bytes(RECORD))
+
+
+def _set_chunk_bytes(d, value) -> None:
+    meta = json.loads((d / "namespace.json").read_text())
+    meta["chunk_bytes"] = value
+    (d / "namespace.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("damage, line", [
+    (lambda d: (d / "namespace.json").write_text("[" * 30000 + "]" * 30000), "namespace.json is damaged"),
+    (lambda d: (os.unlink(d / "namespace.json"), os.mkdir(d / "namespace.json")),
+     "namespace.json: not a regular file"),
+    (lambda d: (os.unlink(d / "index.log"), os.mkdir(d / "index.log")), "index.log: not a regular file"),
+    (lambda d: (_zero_header(d), _set_chunk_bytes(d, "x")), NO_GEOMETRY),
+    (lambda d: (_zero_header(d), _set_chunk_bytes(d, 4096.5)), NO_GEOMETRY),
+    (lambda d: (_zero_header(d), _set_chunk_bytes(d, 10**15)), NO_GEOMETRY),
+], ids=["deep-json", "namespace-dir", "index-dir", "chunk-str", "chunk-float", "chunk-huge"])
+def test_damaged_directory_is_a_report_not_a_traceback(stored, capsys, damage, line):
+    damage(stored)
+    rc, out = _run(capsys, stored.parent)  # a traceback would raise here
+    assert rc == 1 and f"  damaged: {line}" in out and "DAMAGED (1 namespace)" in out, out
+
+
+@pytest.mark.parametrize("name", ["namespace.json", "index.log", "slab-0.bin"])
+def test_a_fifo_is_reported_not_waited_on(stored, name):
+    """In a child with a time limit: opening a FIFO to read blocks until a writer comes."""
+    os.unlink(stored / name)
+    os.mkfifo(stored / name, 0o600)
+    out = subprocess.run([sys.executable, "-m", "kvoffload.cli", "storage", "check", str(stored)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and f"  damaged: {name}: not a regular file" in out.stdout, out
+    assert out.stderr == "", out

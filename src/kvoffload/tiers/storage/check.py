@@ -26,9 +26,7 @@ from pathlib import Path
 import xxhash
 
 from kvoffload.tiers.base import Namespace, align_up
-from kvoffload.tiers.storage.index import Geometry, IndexLog, read_header, replay_fd
-
-_RO = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+from kvoffload.tiers.storage.index import Geometry, IndexLog, open_regular, read_header, replay_fd
 
 
 @dataclass
@@ -47,22 +45,29 @@ class Report:
         return bool(self.bad_records or self.bad_chunks or self.problems)
 
 
+def _why(e: OSError) -> str:
+    return e.strerror or os.strerror(e.errno or 0)
+
+
 def _read_namespace(dfd: int, rep: Report, digest: str) -> Namespace | None:
+    """The namespace, if namespace.json holds this directory's (else None:
+    nothing in it, chunk_bytes included, can be trusted)."""
     try:
-        fd = os.open("namespace.json", _RO, dir_fd=dfd)
+        with os.fdopen(open_regular("namespace.json", dfd), "rb") as f:
+            raw = f.read(1 << 16)
     except OSError as e:
-        rep.problems.append(f"namespace.json: {os.strerror(e.errno or 0)}")
+        rep.problems.append(f"namespace.json: {_why(e)}")
         return None
-    with os.fdopen(fd, "rb") as f:
-        raw = f.read(1 << 16)
     try:
-        ns = Namespace(**json.loads(raw))
-    except (ValueError, TypeError):
+        got = json.loads(raw)
+        ns = Namespace(**got)
+    except (ValueError, TypeError, RecursionError):  # RecursionError: arrays nested thousands deep
         rep.problems.append("namespace.json is " + ("empty" if not raw.strip() else "damaged"))
         return None
-    rep.namespace = json.loads(raw)
+    rep.namespace = got
     if ns.digest() != digest:
         rep.problems.append(f"namespace.json describes namespace {ns.digest()}, not {digest}")
+        return None
     return ns
 
 
@@ -70,12 +75,12 @@ def _slab_fds(dfd: int, num_files: int, rep: Report) -> list[int | None]:
     fds: list[int | None] = []
     for i in range(num_files):
         try:
-            fds.append(os.open(f"slab-{i}.bin", _RO | os.O_DIRECT, dir_fd=dfd))
+            fds.append(open_regular(f"slab-{i}.bin", dfd, os.O_DIRECT))
         except OSError:
             try:  # no O_DIRECT here (tmpfs): buffered
-                fds.append(os.open(f"slab-{i}.bin", _RO, dir_fd=dfd))
+                fds.append(open_regular(f"slab-{i}.bin", dfd))
             except OSError as e:
-                rep.problems.append(f"slab-{i}.bin: {os.strerror(e.errno or 0)}")
+                rep.problems.append(f"slab-{i}.bin: {_why(e)}")
                 fds.append(None)
     return fds
 
@@ -91,9 +96,12 @@ def check_namespace_dir(d: Path) -> Report:
     try:
         ns = _read_namespace(dfd, rep, digest)
         try:
-            ifd = os.open(IndexLog.NAME, _RO, dir_fd=dfd)
+            ifd = open_regular(IndexLog.NAME, dfd)
         except FileNotFoundError:
             return rep  # created, never stored to: empty
+        except OSError as e:
+            rep.problems.append(f"{IndexLog.NAME}: {_why(e)}")
+            return rep
         try:
             found = read_header(ifd)
             if found is not None and found[0] != digest:
@@ -103,7 +111,8 @@ def check_namespace_dir(d: Path) -> Report:
                 num_files, slot_bytes = found[1], found[2]
             else:  # damaged header: the geometry the tier would have used
                 num_files = sum(1 for n in os.listdir(dfd) if n.startswith("slab-") and n.endswith(".bin"))
-                slot_bytes = align_up(ns.chunk_bytes) if ns and ns.chunk_bytes else 0
+                cb = ns.chunk_bytes if ns else None
+                slot_bytes = align_up(cb) if type(cb) is int and cb > 0 else 0
             if not num_files or not slot_bytes:
                 rep.bad_records = 1
                 rep.problems.append("index header damaged and the geometry cannot be inferred")
@@ -162,7 +171,18 @@ def check(path: Path) -> list[Report] | None:
         dirs = sorted(p for p in path.iterdir() if p.name.startswith("ns-") and not p.is_symlink() and p.is_dir())
     else:
         return None
-    return [check_namespace_dir(d) for d in dirs] or None
+    return [_check_safely(d) for d in dirs] or None
+
+
+def _check_safely(d: Path) -> Report:
+    """A damaged directory is a report, never a traceback (whatever the damage
+    the checks above did not foresee)."""
+    try:
+        return check_namespace_dir(d)
+    except (OSError, ValueError, TypeError, OverflowError, MemoryError, RecursionError) as e:
+        rep = Report(d)
+        rep.problems.append(f"cannot be checked: {e}")
+        return rep
 
 
 def _plural(n: int, word: str) -> str:
@@ -180,7 +200,11 @@ def format_report(r: Report) -> str:
 
 
 def run(args) -> int:
-    reports = check(args.dir)
+    try:
+        reports = check(args.dir)
+    except OSError as e:  # e.g. DIR not readable
+        print(f"kvoffload storage check: {args.dir}: {_why(e)}", file=sys.stderr)
+        return 2
     if reports is None:
         print(f"kvoffload storage check: {args.dir} holds no storage namespace (ns-*/)", file=sys.stderr)
         return 2
