@@ -148,6 +148,8 @@ class TieredOffloadingSpec(OffloadingSpec):
             raise ConfigError(f"{where}: name {name!r} is used twice")
         names.add(name)
         if isinstance(conf.get("path"), str):  # two tiers on one directory would fight over it
+            if "\0" in conf["path"]:  # realpath would raise a bare ValueError
+                raise ConfigError(f"{where}.path: contains a NUL byte: {conf['path']!r}")
             real = os.path.realpath(conf["path"])
             if real in paths:
                 raise ConfigError(f"{where}.path: {conf['path']!r} is listed twice in secondary_tiers "

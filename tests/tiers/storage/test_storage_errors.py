@@ -179,3 +179,32 @@ def test_an_unreadable_block_is_dropped_and_not_counted_as_loaded(make_tier, poo
     assert c["load_failures"] == 1 and c.get("checksum_failures", 0) == 0, c
     assert c["loaded_blocks"] == 1 and c["loaded_bytes"] == CHUNK, c
 
+
+def test_a_tier_failing_to_build_releases_its_directory(tmp_path):
+    from kvoffload.config import ConfigError
+    from storage_helpers import close
+
+    with pytest.raises(ConfigError, match="eviction policy"):  # fails after the directory was opened
+        StorageTier(str(tmp_path / "s"), 8 * CHUNK, CHUNK, NS, eviction_policy="lru_typo")
+    close(StorageTier(str(tmp_path / "s"), 8 * CHUNK, CHUNK, NS))  # the retry in this process opens it
+
+
+@pytest.mark.parametrize("policy", ["lru_typo", 5, None])
+def test_a_bad_eviction_policy_is_named_before_anything_is_opened(tmp_path, policy):
+    from kvoffload.config import ConfigError
+    from kvoffload.tiering import TierContext
+
+    ctx = TierContext(0, "storage", NS, CHUNK, False)
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(storage\)\.eviction_policy") as e:
+        StorageTier.from_config({"path": str(tmp_path / "s"), "capacity_bytes": "1MiB",
+                                 "eviction_policy": policy}, ctx)
+    assert "\n" not in str(e.value) and not (tmp_path / "s").exists()
+
+
+def test_nul_byte_in_path_is_a_config_error(tmp_path):
+    from kvoffload.config import ConfigError
+    from kvoffload.tiering import TierContext
+
+    ctx = TierContext(0, "storage", NS, CHUNK, False)
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(storage\)\.path: contains a NUL byte"):
+        StorageTier.from_config({"path": f"{tmp_path}/a\0b", "capacity_bytes": "1MiB"}, ctx)

@@ -79,3 +79,16 @@ def test_redis_tier_with_a_bad_password_releases_storage(tmp_path):
         _retry_works(kv, [_storage(kv), good])
     finally:
         srv.close()
+
+
+def test_bad_eviction_policy_then_a_fixed_retry(tmp_path):
+    kv = tmp_path / "kv"
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\].*eviction_policy.*lru_typo"):
+        _spec([{**_storage(kv), "eviction_policy": "lru_typo"}])
+    _retry_works(kv, [{**_storage(kv), "eviction_policy": "lru"}])
+
+
+def test_nul_byte_in_path_names_the_key(tmp_path):
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.path: contains a NUL byte") as e:
+        _spec([_storage(f"{tmp_path}/a\0b")])
+    assert "\n" not in str(e.value)

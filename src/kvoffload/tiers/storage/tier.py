@@ -9,6 +9,7 @@ from typing import Any
 
 from kvoffload.abstractions import Locality, Medium
 from kvoffload.config import ConfigError, check_known_keys, parse_bytes, positive_int
+from kvoffload.policies import get_policy_class
 from kvoffload.tiers.base import Namespace, SecondaryTier
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.storage.manager import StorageOffloadingManager
@@ -29,7 +30,11 @@ class StorageTier(SecondaryTier):
         self.io_threads = io_threads
         self.store = SlabStore(path, namespace, slot_bytes, capacity_bytes // slot_bytes,
                                num_files=num_files, direct_io=direct_io)
-        self._manager = StorageOffloadingManager(self.store, eviction_policy, enable_events, name)
+        try:
+            self._manager = StorageOffloadingManager(self.store, eviction_policy, enable_events, name)
+        except BaseException:  # release the directory (lock, open-in-this-process mark) for a retry
+            self.store.close()
+            raise
         self._worker: StorageWorker | None = None
 
     @classmethod
@@ -40,10 +45,20 @@ class StorageTier(SecondaryTier):
         path = conf.get("path")
         if not path:
             raise ConfigError(f"{where}: path is required (a directory for the slab files)")
-        if not isinstance(path, (str, os.PathLike)):  # `path: 5` must not create ./5
+        # `path: 5` must not create ./5
+        if not isinstance(path, (str, os.PathLike)) or not isinstance(os.fspath(path), str):
             raise ConfigError(f"{where}: path must be a directory name (a string), got {path!r}")
+        if "\0" in os.fspath(path):
+            raise ConfigError(f"{where}.path: contains a NUL byte: {path!r}")
         if "capacity_bytes" not in conf:
             raise ConfigError(f"{where}: capacity_bytes is required")
+        policy = conf.get("eviction_policy", "lru")
+        if not isinstance(policy, str):  # str() would turn 5 or null into the names '5' or 'None'
+            raise ConfigError(f"{where}.eviction_policy must be a policy name (a string), got {policy!r}")
+        try:  # checked before the directory is opened
+            get_policy_class(policy)
+        except ConfigError as e:
+            raise ConfigError(f"{where}.eviction_policy: {e}") from None
         direct_io = conf.get("direct_io", True)
         if not isinstance(direct_io, bool):
             raise ConfigError(f"{where}: direct_io must be true or false, got {direct_io!r}")
@@ -52,7 +67,7 @@ class StorageTier(SecondaryTier):
             capacity_bytes=parse_bytes(conf["capacity_bytes"], f"{where}.capacity_bytes"),
             slot_bytes=ctx.chunk_bytes,
             namespace=ctx.namespace,
-            eviction_policy=str(conf.get("eviction_policy", "lru")),
+            eviction_policy=policy,
             num_files=positive_int(conf.get("num_files", 4), f"{where}.num_files"),
             io_threads=positive_int(conf.get("io_threads", 4), f"{where}.io_threads"),
             direct_io=direct_io,
