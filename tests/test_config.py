@@ -148,3 +148,69 @@ def test_check_known_keys():
     check_known_keys(["a"], ["a", "b"], "where")
     with pytest.raises(ConfigError, match=r"where: unknown key 'c'; known keys: \['a', 'b'\]"):
         check_known_keys(["a", "c"], ["b", "a"], "where")
+
+
+@pytest.mark.parametrize("text, message", [
+    ("groups: [16]\n1: 2\n", "config: unknown key 1; known keys: "),
+    ("groups:\n  - {tokens_per_block: 16, null: 3}\n", "groups[0]: unknown key None; known keys: "),
+    ("groups: [16]\n2020-01-01: x\n", "config: unknown key datetime.date(2020, 1, 1); known keys: "),
+])
+def test_yaml_keys_that_are_not_strings_are_named(tmp_path, text, message):
+    # YAML reads `1:`, `~:` and dates as keys of other types (difflib raised TypeError on them)
+    (tmp_path / "c.yaml").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        OffloadingConfig.from_file(tmp_path / "c.yaml")
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("spec, extra, message", [
+    ("cpu", {5: "x"}, "CPUOffloadingSpec extra_config: unknown key 5; known keys: "),
+    ("tiered", {5: "x"}, "TieredOffloadingSpec extra_config: unknown key 5; known keys: "),
+    ("tiered", {"namespace": {1: "x"}}, "namespace: unknown key 1; known keys: "),
+])
+def test_spec_keys_that_are_not_strings_are_named(spec, extra, message):
+    from kvoffload.spec import build_spec
+
+    with pytest.raises(ConfigError) as e:
+        build_spec(spec, OffloadingConfig.from_dict({"groups": [16], "extra_config": {"num_cpu_chunks": 4, **extra}}))
+    assert str(e.value).startswith(message)
+
+
+@pytest.mark.parametrize("key, default", [("offload_prompt_only", True), ("self_describing_kv_events", False)])
+def test_boolean_extra_keys_are_true_or_false_only(key, default):
+    from kvoffload.spec import build_spec
+
+    def spec(value):
+        return build_spec("cpu", OffloadingConfig.from_dict(
+            {"groups": [16], "extra_config": {"num_cpu_chunks": 4, key: value}}))
+
+    def read(s):
+        return s.offload_prompt_only if key == "offload_prompt_only" else s.kv_events_config.self_describing_kv_events
+
+    for value in ("false", "true", 0, 1, [], "maybe"):  # bool("false") was True
+        with pytest.raises(ConfigError) as e:
+            spec(value)
+        assert str(e.value) == f"{key} must be true or false, got {value!r}"
+    assert read(spec(None)) is default  # null: the default (was bool(None), False)
+    assert read(spec(not default)) is (not default)
+
+
+def test_invalid_yaml_is_one_line_naming_file_and_line(tmp_path):
+    (tmp_path / "open.yaml").write_text("groups: [16\n")
+    with pytest.raises(ConfigError) as e:
+        OffloadingConfig.from_file(tmp_path / "open.yaml")
+    assert str(e.value) == f"{tmp_path / 'open.yaml'}: invalid YAML at line 2: expected ',' or ']', but got '<stream end>'"
+    (tmp_path / "tag.yaml").write_text("groups: !!python/object:os.system {}\n")
+    with pytest.raises(ConfigError) as e:
+        OffloadingConfig.from_file(tmp_path / "tag.yaml")
+    assert str(e.value) == (f"{tmp_path / 'tag.yaml'}: invalid YAML at line 1: could not determine a constructor "
+                            "for the tag 'tag:yaml.org,2002:python/object:os.system'")
+
+
+@pytest.mark.parametrize("name", ["big.json", "big.yaml"])
+def test_config_file_with_a_huge_integer_names_the_file(tmp_path, name):
+    (tmp_path / name).write_text('{"tokens_per_hash": ' + "1" * 5000 + "}")
+    with pytest.raises(ConfigError) as e:
+        OffloadingConfig.from_file(tmp_path / name)
+    assert str(e.value).startswith(f"{tmp_path / name}: invalid ")
+    assert "Exceeds the limit (4300 digits)" in str(e.value)

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from enum import Enum, auto
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 
+from kvoffload.config import true_or_false
 from kvoffload.keys import check_key
 from kvoffload.keys import (  # re-exported: the keys are part of the contract
     OffloadKey,
@@ -382,11 +383,13 @@ class OffloadingSpec(ABC):
         self.extra_config = config.extra_config
         self.kv_events_config = OffloadingKVEventsConfig(
             enable_kv_cache_events=config.enable_kv_cache_events,
-            self_describing_kv_events=bool(self.extra_config.get("self_describing_kv_events", False)),
+            self_describing_kv_events=true_or_false(self.extra_config.get("self_describing_kv_events"),
+                                                    "self_describing_kv_events", False),
         )
         # Offload only prompt blocks; decode blocks are often dropped before
         # the next turn (e.g. reasoning models strip their thinking).
-        self.offload_prompt_only: bool = bool(self.extra_config.get("offload_prompt_only", True))
+        self.offload_prompt_only: bool = true_or_false(self.extra_config.get("offload_prompt_only"),
+                                                        "offload_prompt_only", True)
         self.tokens_per_block = tuple(g.tokens_per_block for g in config.groups)
         self.tokens_per_hash = config.cache.tokens_per_hash
         self.blocks_per_chunk = config.cache.blocks_per_chunk

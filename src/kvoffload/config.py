@@ -26,7 +26,8 @@ def check_known_keys(given: Iterable[str], known: Iterable[str], where: str) -> 
     known = list(known)
     for key in given:
         if key not in known:
-            close = difflib.get_close_matches(key, known, n=1)
+            # YAML makes keys of other types (`16:`, `~:`): difflib needs a string
+            close = difflib.get_close_matches(key, known, n=1) if isinstance(key, str) else []
             hint = f" (did you mean {close[0]!r}?)" if close else ""
             raise ConfigError(f"{where}: unknown key {key!r}{hint}; known keys: {sorted(known)}")
 
@@ -34,6 +35,15 @@ def check_known_keys(given: Iterable[str], known: Iterable[str], where: str) -> 
 def positive_int(value: Any, key: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def true_or_false(value: Any, key: str, default: bool) -> bool:
+    """A boolean key: true or false only (bool("false") is True); null is the default."""
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ConfigError(f"{key} must be true or false, got {value!r}")
     return value
 
 
@@ -228,10 +238,15 @@ class OffloadingConfig:
                 raise ConfigError("YAML configs need PyYAML: pip install kvoffload[yaml]") from None
             try:
                 data = yaml.safe_load(text)
-            except yaml.YAMLError as e:
-                raise ConfigError(f"{path}: invalid YAML: {e}") from None
+            except yaml.YAMLError as e:  # one line: PyYAML's own message spans several, with a snippet
+                mark = getattr(e, "problem_mark", None)
+                where = f" at line {mark.line + 1}" if mark is not None else ""
+                why = " ".join(str(getattr(e, "problem", None) or e).split())
+                raise ConfigError(f"{path}: invalid YAML{where}: {why}") from None
             except RecursionError:
                 raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
+            except ValueError as e:  # an integer of more than 4300 digits
+                raise ConfigError(f"{path}: invalid YAML: {e}") from None
         else:
             try:
                 data = json.loads(text)
@@ -239,6 +254,8 @@ class OffloadingConfig:
                 raise ConfigError(f"{path}: invalid JSON at line {e.lineno}: {e.msg}") from None
             except RecursionError:
                 raise ConfigError(f"{path}: invalid JSON: nested too deeply") from None
+            except ValueError as e:  # an integer of more than 4300 digits
+                raise ConfigError(f"{path}: invalid JSON: {e}") from None
         return cls.from_dict(data or {})
 
     @classmethod

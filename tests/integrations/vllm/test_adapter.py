@@ -119,6 +119,32 @@ def test_unknown_kvoffload_spec_is_refused_by_name():
         KVOffloadingSpec(vllm_config({"kvoffload_spec": "no_such_spec", "cpu_bytes_to_use": "1MiB"}))
 
 
+@pytest.mark.parametrize("key", ["offload_prompt_only", "self_describing_kv_events"])
+@pytest.mark.parametrize("value", ["false", 0, "yes"])
+def test_boolean_keys_are_true_or_false_only(key, value):
+    # vLLM's base class reads these with bool(): "false" was offload_prompt_only=True
+    with pytest.raises(ConfigError, match=f"^{key} must be true or false, got {value!r}$"):
+        KVOffloadingSpec(vllm_config({"num_cpu_chunks": 8, key: value}, engine_id=f"bool-{key}-{value}"))
+
+
+def test_boolean_keys_reach_vllms_scheduler_as_given():
+    """vLLM's scheduler reads the outer spec's attributes: null is the default
+    (offload_prompt_only true), not bool(None)."""
+    spec = KVOffloadingSpec(vllm_config({"num_cpu_chunks": 8, "offload_prompt_only": None,
+                                         "self_describing_kv_events": None}, engine_id="bool-null"))
+    assert spec.offload_prompt_only is True and spec.kv_events_config.self_describing_kv_events is False
+    spec = KVOffloadingSpec(vllm_config({"num_cpu_chunks": 8, "offload_prompt_only": False,
+                                         "self_describing_kv_events": True}, engine_id="bool-set"))
+    assert spec.offload_prompt_only is False and spec.kv_events_config.self_describing_kv_events is True
+
+
+@pytest.mark.parametrize("ns", [5, "abc", [["model", "x"]]])
+def test_namespace_that_is_not_a_mapping_is_refused_by_name(ns):
+    with pytest.raises(ConfigError, match=r"^namespace must be a mapping, got "):
+        KVOffloadingSpec(vllm_config({"kvoffload_spec": "tiered", "num_cpu_chunks": 8, "namespace": ns},
+                                     engine_id=f"ns-{ns!r}"))
+
+
 def test_pipeline_parallel_is_refused():
     with pytest.raises(ConfigError, match="tensor parallelism only; world_size=2 .*pp=2"):
         KVOffloadingSpec(vllm_config({"cpu_bytes_to_use": "1MiB"}, world_size=2, pp_size=2))

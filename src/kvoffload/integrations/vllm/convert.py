@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvoffload import abstractions as ko
-from kvoffload.config import CacheConfig, KVGroupConfig, OffloadingConfig
+from kvoffload.config import CacheConfig, ConfigError, KVGroupConfig, OffloadingConfig
 from kvoffload.layout import ATTENTION, MLA
 from kvoffload.integrations.vllm._compat import OffloadingConnectorStats, vbase
 from kvoffload import metrics_vllm
@@ -120,7 +120,10 @@ def offloading_config(vconfig: Any, spec_keys: tuple[str, ...] = (),
         extra.setdefault("tp_size", vconfig.parallel.tp_size)
         extra.setdefault("tp_rank", vconfig.parallel.rank % vconfig.parallel.tp_size)
     if "namespace" in spec_keys:
-        ns = dict(extra.get("namespace") or {})
+        ns = extra.get("namespace")
+        if ns is not None and not isinstance(ns, Mapping):  # dict() would take 5 as a TypeError, pairs as a dict
+            raise ConfigError(f"namespace must be a mapping, got {ns!r}")
+        ns = dict(ns or {})
         ns.setdefault("model", vconfig.model.name)
         ns.setdefault("dtype", vconfig.model.dtype)
         layout = getattr(vconfig, "kv_cache_layout", None)

@@ -127,6 +127,12 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
                 k: v for k, v in extra.items() if k in CPUOffloadingSpec.EXTRA_KEYS}))
         else:
             self._key, self.inner = _shared_spec(config.engine_id, self.spec_name, self.kvoffload_config)
+        # vLLM's base class read these with bool() ("false" is true, null false); vLLM's
+        # scheduler reads them here: take our spec's, which checked them strictly
+        self.offload_prompt_only = self.inner.offload_prompt_only
+        self.kv_events_config = dataclasses.replace(
+            self.kv_events_config,
+            self_describing_kv_events=self.inner.kv_events_config.self_describing_kv_events)
         self._manager: VLLMOffloadingManager | None = None
 
     def get_manager(self) -> VLLMOffloadingManager:
