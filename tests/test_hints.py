@@ -126,3 +126,43 @@ def test_bad_hints_become_a_declared_prometheus_counter():
     prom = PrometheusMetrics()
     prom.record_stats(m.get_stats())
     assert 'kvoffload_bad_request_hints_total{locality="LOCAL",medium="CPU",tier="cpu"} 3.0' in prom.text()
+
+
+HUGE = 10**5000  # repr() of it raises on Python 3.11+ (4300-digit limit)
+
+
+@pytest.mark.parametrize("params, key", [
+    ({"kv_retention": HUGE}, "kv_retention"),
+    ({"kv_retention": [HUGE]}, "kv_retention"),
+    ({"kv_load_tiers": HUGE}, "kv_load_tiers"),
+    ({"kv_load_tiers": [{"medium": HUGE}]}, "kv_load_tiers"),
+    ({"kv_load_tiers": [{HUGE: 1}]}, "kv_load_tiers"),
+])
+def test_a_huge_integer_is_ignored_and_counted_not_raised(params, key, caplog):
+    from kvoffload.tiers.cpu.manager import CPUOffloadingManager
+
+    m = CPUOffloadingManager(8)
+    with caplog.at_level(logging.WARNING, logger="kvoffload.hints"):
+        m.on_new_request(ReqContext("r", params))  # raised ValueError from the warning's repr
+    assert m.get_stats().counters["bad_request_hints"] == 1
+    (rec,) = caplog.records
+    assert rec.getMessage().startswith(f"request 'r': ignoring {key}=")
+    assert parse_hints(params, HUGE).bad == (key,)  # a huge request id too
+
+
+def test_a_long_load_tiers_list_is_ignored_and_counted(caplog):
+    from kvoffload.hints import MAX_LOAD_TIERS
+
+    tiers = [{"medium": "cpu", "locality": "local"}] * (MAX_LOAD_TIERS + 1)
+    with caplog.at_level(logging.WARNING, logger="kvoffload.hints"):
+        h = parse_hints({"kv_load_tiers": tiers}, "r")
+    assert h.bad == ("kv_load_tiers",) and h.load_tiers is TierFilter.ALL
+    (rec,) = caplog.records
+    assert rec.getMessage().endswith(f": has {MAX_LOAD_TIERS + 1} entries; at most {MAX_LOAD_TIERS}")
+    # at the bound it is served, each matcher once (a lookup scans them all)
+    h = parse_hints({"kv_load_tiers": tiers[:MAX_LOAD_TIERS]}, "r")
+    assert h.bad == () and h.load_tiers == TierFilter((TierMatcher(Medium.CPU, Locality.LOCAL),))
+
+
+def test_a_long_retention_string_is_ignored():
+    assert parse_hints({"kv_retention": " " * 10**6 + "low"}).bad == ("kv_retention",)

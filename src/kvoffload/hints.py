@@ -10,9 +10,10 @@ The result is cached on the ReqContext, which every manager of the request
 shares, so a request is parsed, warned about and counted once.
 
 Our keys (others belong to vLLM or other connectors and are left alone):
-  kv_retention   "low" or "normal" (any case, surrounding spaces ignored)
-  kv_load_tiers  a list of {"medium": ..., "locality": ...} dicts; invalid:
-                 ignored, the request loads from every tier
+  kv_retention   "low" or "normal" (any case, surrounding spaces ignored; at most
+                 MAX_RETENTION_CHARS characters in all)
+  kv_load_tiers  a list of at most MAX_LOAD_TIERS {"medium": ..., "locality": ...}
+                 dicts; invalid: ignored, the request loads from every tier
 A null value is the same as a missing key.
 """
 
@@ -35,6 +36,20 @@ _short = reprlib.Repr()  # a client's value may be huge: log its head only
 _short.maxstring = _short.maxother = 80
 _short.maxlist = _short.maxtuple = _short.maxdict = 4
 _short.maxlevel = 3
+
+# Distinct matchers are few (media x localities); a longer list is a bad
+# client, and every secondary-tier lookup scans the whole filter.
+MAX_LOAD_TIERS = 64
+MAX_RETENTION_CHARS = 64
+
+
+def _show(v: Any) -> str:
+    """reprlib's head of v; Python 3.11's reprlib repr()s an int whole, which
+    raises past 4300 digits."""
+    try:
+        return _short.repr(v)
+    except Exception:  # noqa: BLE001 - request data: never raise
+        return f"<{type(v).__name__}>"
 
 
 class RequestHints:
@@ -59,7 +74,7 @@ NO_HINTS = RequestHints()
 
 def _retention(v: Any) -> tuple[bool, str | None]:
     """(low, why invalid)."""
-    norm = v.strip().lower() if isinstance(v, str) else None
+    norm = v.strip().lower() if isinstance(v, str) and len(v) <= MAX_RETENTION_CHARS else None
     if norm in ("low", "normal"):
         return norm == "low", None
     return False, "must be 'low' or 'normal'"
@@ -73,7 +88,7 @@ def _enum(cls: type, v: Any) -> Any:
     try:
         return cls(v.strip().upper())
     except ValueError:
-        raise ValueError(f"unknown {cls.__name__.lower()} {_short.repr(v)} "
+        raise ValueError(f"unknown {cls.__name__.lower()} {_show(v)} "
                          f"(one of {', '.join(m.value.lower() for m in cls)})") from None
 
 
@@ -81,18 +96,20 @@ def _load_tiers(v: Any) -> TierFilter:
     """The filter, or ValueError saying why the value is invalid."""
     if not isinstance(v, (list, tuple)):
         raise ValueError("must be a list of {medium, locality} dicts")
+    if len(v) > MAX_LOAD_TIERS:
+        raise ValueError(f"has {len(v)} entries; at most {MAX_LOAD_TIERS}")
     matchers = []
     for i, t in enumerate(v):
         if not isinstance(t, dict):
             raise ValueError(f"entry {i} must be a dict")
         unknown = [k for k in t if k not in ("medium", "locality")]
         if unknown:
-            raise ValueError(f"entry {i}: unknown key {_short.repr(unknown[0])}")
+            raise ValueError(f"entry {i}: unknown key {_show(unknown[0])}")
         try:
             matchers.append(TierMatcher(_enum(Medium, t.get("medium")), _enum(Locality, t.get("locality"))))
         except ValueError as e:
             raise ValueError(f"entry {i}: {e}") from None
-    return TierFilter(tuple(matchers))
+    return TierFilter(tuple(dict.fromkeys(matchers)))  # each matcher once: lookups scan them all
 
 
 def parse_hints(params: Any, req_id: Any = None) -> RequestHints:
@@ -124,8 +141,8 @@ def parse_hints(params: Any, req_id: Any = None) -> RequestHints:
     if not bad:
         return RequestHints(low, tiers) if (low or tiers is not None) else NO_HINTS
     for key, value, why in bad:
-        # reprlib: a long value's head only; an object whose repr raises is shown by its type
-        log.warning("request %s: ignoring %s=%s: %s", _short.repr(req_id), key, _short.repr(value), why)
+        # a long value's head only; an object whose repr raises is shown by its type
+        log.warning("request %s: ignoring %s=%s: %s", _show(req_id), key, _show(value), why)
     return RequestHints(low, tiers, tuple(k for k, _, _ in bad))
 
 
