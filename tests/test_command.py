@@ -35,3 +35,19 @@ def test_unknown_command_is_one_line(capsys):
         main(["nope"])
     assert e.value.code == 2
     assert "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["nope"], "kvoffload: argument COMMAND: invalid choice: 'nope' (choose from 'replay', 'demo', 'stats', 'storage')"),
+    (["replay", "a", "b"], "kvoffload: unrecognized arguments: b"),  # the top-level parser's error
+    (["stats"], "kvoffload stats: the following arguments are required: url"),
+    (["stats", "x", "--interval", "abc"], "kvoffload stats: argument --interval: invalid float value: 'abc'"),
+    (["storage", "check"], "kvoffload storage check: the following arguments are required: dir"),
+    (["storage", "bogus", "/tmp"], "kvoffload storage: argument ACTION: invalid choice: 'bogus' (choose from 'check')"),
+])
+def test_every_parsers_errors_are_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    out = capsys.readouterr()
+    assert out.err.splitlines() == [message] and out.out == ""  # no usage block

@@ -133,3 +133,80 @@ def test_vllm_names_off_and_counters_exported_from_zero():
     assert not [k for k in s if k[0].startswith("vllm:")]
     # a counter a tier reports is a series from its first report, 0 included (rate() needs it)
     assert s[("kvoffload_bad_request_hints_total", (("locality", "LOCAL"), ("medium", "CPU"), ("tier", "cpu")))] == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["127.0.0.1:abc", "--once"], "bad URL '127.0.0.1:abc': Port could not be cast to integer value as 'abc'"),
+    (["http://[::1", "--once"], "bad URL 'http://[::1': Invalid IPv6 URL"),
+    (["http://u:hunter2@127.0.0.1:99999", "--once"], "bad URL 'http://u:***@127.0.0.1:99999': Port out of range 0-65535"),
+    (["", "--once"], "bad URL '': expected host:port or an http(s):// URL"),
+    (["127.0.0.1:1", "--interval", "-1"], "--interval must be a number of seconds in (0, 31536000], got -1.0"),
+    (["127.0.0.1:1", "--interval", "nan"], "--interval must be a number of seconds in (0, 31536000], got nan"),
+    (["127.0.0.1:1", "--interval", "inf"], "--interval must be a number of seconds in (0, 31536000], got inf"),
+])
+def test_stats_bad_url_or_interval_is_one_line(capsys, argv, message):
+    from kvoffload.cli import main
+
+    assert main(["stats", *argv]) == 2  # refused before any scrape (or sleep)
+    err = capsys.readouterr().err
+    assert err.splitlines() == [f"kvoffload stats: {message}"]
+
+
+def test_stats_appends_metrics_before_a_query():
+    from kvoffload.stats import metrics_url
+
+    assert metrics_url("h:1/?x=1") == "http://h:1/metrics?x=1"
+    assert metrics_url("https://h:1/metrics/?x=1") == "https://h:1/metrics/?x=1"
+
+
+@pytest.fixture
+def serve_body():
+    """serve_body(bytes) -> host:port of a server answering every GET with those bytes."""
+    import http.server
+    import threading
+
+    servers = []
+
+    def start(body: bytes) -> str:
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        servers.append(srv)
+        return f"127.0.0.1:{srv.server_address[1]}"
+
+    yield start
+    for srv in servers:
+        srv.shutdown()
+        srv.server_close()
+
+
+@pytest.mark.parametrize("body, why", [
+    (b"<!DOCTYPE HTML>\n<html></html>\n", "invalid metric name:<!DOCTYPE HTML>"),
+    (b"kvoffload_hits_total{tier=\"caf\xe9\"} 1\n", "'utf-8' codec can't decode byte 0xe9"),
+])
+def test_stats_of_a_page_that_is_not_our_metrics_is_one_line(capsys, serve_body, body, why):
+    from kvoffload.cli import main
+
+    where = serve_body(body)
+    assert main(["stats", where, "--once"]) == 1
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"kvoffload stats: cannot scrape http://{where}/metrics: {why}")
+
+
+def test_stats_shows_nan_and_infinite_gauges(capsys, serve_body):
+    from kvoffload.cli import main
+
+    body = (b"# TYPE kvoffload_used_blocks gauge\nkvoffload_used_blocks{tier=\"cpu\"} NaN\n"
+            b"# TYPE kvoffload_usage gauge\nkvoffload_usage{tier=\"cpu\"} +Inf\n")
+    assert main(["stats", serve_body(body), "--once"]) == 0
+    row = next(r for r in capsys.readouterr().out.splitlines() if r.startswith("cpu "))
+    assert row.split()[-2:] == ["nan", "inf"]

@@ -18,6 +18,19 @@ COMMANDS = {
 }
 
 
+def one_line_errors(parser: argparse.ArgumentParser) -> None:
+    """A bad option is one line (`kvoffload replay: argument --x: ...`) and
+    exit code 2, like every other bad input, not argparse's usage block;
+    for the parser's subcommands' parsers too."""
+    def error(message: str):
+        parser.exit(2, f"{parser.prog}: {message}\n")
+    parser.error = error
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for p in action.choices.values():
+                one_line_errors(p)
+
+
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """Only the named subcommand's module is imported (the others pull in
     torch: `kvoffload --help` or `kvoffload stats` need not wait for it)."""
@@ -34,6 +47,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
         except ImportError as e:  # a subcommand whose extra is missing
             p = sub.add_parser(name, help=f"(unavailable: {e})")
             p.set_defaults(func=lambda args, e=e: sys.exit(f"kvoffload: {e}"))
+    one_line_errors(parser)
     return parser
 
 

@@ -30,10 +30,7 @@ def add_parser(subparsers) -> None:
     p.add_argument("--cpu-chunks", type=int, default=12, help="host pool capacity, in chunks")
     p.add_argument("--policy", default="lru", help="eviction policy: lru, arc or module:Class")
     p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=run)
-    from kvoffload.replay.cli import one_line_errors
-
-    one_line_errors(p)
+    p.set_defaults(func=run)  # errors one line: kvoffload.cli.one_line_errors
 
 
 def chunk_keys(prompt: str, n: int) -> list[bytes]:

@@ -9,10 +9,15 @@ prints both per tier, with the same definitions."""
 
 from __future__ import annotations
 
+import http.client
+import math
 import sys
 import time
 import urllib.request
 from collections import defaultdict
+from urllib.parse import urlsplit, urlunsplit
+
+from kvoffload.redact import redact_text
 
 COLUMNS = ("lookups", "hits", "misses", "lookup_hit_rate", "stored_blocks", "loaded_blocks",
            "evictions", "dropped_stores", "checksum_failures", "used_blocks", "usage")
@@ -53,11 +58,17 @@ def format_table(tiers: dict[str, dict[str, float]]) -> str:
         cells = [name]
         for c in COLUMNS:
             v = t.get(c, 0.0)
-            cells.append(f"{v:.3f}" if c in ("lookup_hit_rate", "usage") else f"{int(v):,}")
+            if not math.isfinite(v):  # a NaN or +Inf gauge is valid exposition format: show it
+                cells.append(str(v))
+            else:
+                cells.append(f"{v:.3f}" if c in ("lookup_hit_rate", "usage") else f"{int(v):,}")
         rows.append(cells)
     widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
                      for r in rows) + "\nlookup_hit_rate: hits / lookups per tier (not the replay's prefix hit rate)"
+
+
+INTERVAL_MAX_S = 365 * 86400  # time.sleep overflows past time_t
 
 
 def scrape(url: str, timeout: float = 5.0) -> str:
@@ -65,15 +76,34 @@ def scrape(url: str, timeout: float = 5.0) -> str:
         return resp.read().decode()
 
 
+def metrics_url(given: str) -> str:
+    """The /metrics URL of `host:port` or a URL; ValueError saying what is wrong."""
+    parts = urlsplit(given if "://" in given else f"http://{given}")  # ValueError: a broken IPv6 host
+    parts.port  # noqa: B018 - parses the port: ValueError when not a number or out of range
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError("expected host:port or an http(s):// URL")
+    if not parts.path.rstrip("/").endswith("/metrics"):  # before any ?query, not after it
+        parts = parts._replace(path=parts.path.rstrip("/") + "/metrics")
+    return urlunsplit(parts)
+
+
 def run(args) -> int:
-    url = args.url if "://" in args.url else f"http://{args.url}"
-    if not url.rstrip("/").endswith("/metrics"):
-        url = url.rstrip("/") + "/metrics"
+    if not (math.isfinite(args.interval) and 0 < args.interval <= INTERVAL_MAX_S):
+        print(f"kvoffload stats: --interval must be a number of seconds in (0, {INTERVAL_MAX_S}], "
+              f"got {args.interval!r}", file=sys.stderr)
+        return 2
+    try:
+        url = metrics_url(args.url)
+    except ValueError as e:
+        print(redact_text(f"kvoffload stats: bad URL {args.url!r}: {e}"), file=sys.stderr)
+        return 2
     while True:
         try:
             table = format_table(parse_metrics(scrape(url)))
-        except OSError as e:
-            print(f"kvoffload stats: cannot scrape {url}: {e}", file=sys.stderr)
+        except (OSError, ValueError, http.client.HTTPException) as e:
+            # ValueError: not UTF-8, or not Prometheus text (an HTML page on that port)
+            why = " ".join(str(e).split())[:200] or type(e).__name__
+            print(redact_text(f"kvoffload stats: cannot scrape {url}: {why}"), file=sys.stderr)
             if args.once:
                 return 1
             table = None

@@ -121,17 +121,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "arrays (default auto: the installed vLLM's, maps without vLLM)")
     o.add_argument("--hold", type=float, default=0.0,
                    help="keep the metrics endpoint up this many seconds after the replay")
-    p.set_defaults(func=run)
-    one_line_errors(p)
+    p.set_defaults(func=run)  # errors one line: kvoffload.cli.one_line_errors
     return p
-
-
-def one_line_errors(parser: argparse.ArgumentParser) -> None:
-    """A bad option is one line (`kvoffload replay: argument --x: ...`) and
-    exit code 2, like every other bad input, not argparse's usage block."""
-    def error(message: str):
-        parser.exit(2, f"{parser.prog}: {message}\n")
-    parser.error = error
 
 
 def one_line(e: BaseException) -> str:
