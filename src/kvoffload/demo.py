@@ -54,6 +54,8 @@ def _run(args) -> int:
     for name in ("layers", "page_kib", "chunks_per_request", "cpu_chunks"):
         if getattr(args, name) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
+    if not 0 <= args.seed < 2**64:  # torch's seed range ("Overflow when unpacking long long" names nothing)
+        raise ValueError(f"--seed must be in [0, 2**64), got {args.seed}")
     block_size = 2 * TOKENS_PER_BLOCK  # one chunk = 2 GPU blocks
     page = args.page_kib * 1024
     chunk_bytes = args.layers * 2 * page

@@ -24,7 +24,8 @@ def load_class(name: str, table: dict[str, str | type], base: type, what: str, p
             raise ConfigError(f"unknown {what} {name!r}; known {plural}: {sorted(table)} (or 'module:Class')")
         try:
             target = getattr(importlib.import_module(module_name), cls_name)
-        except (ImportError, AttributeError) as e:
+        # ValueError: ":" (Empty module name); TypeError: ".m:C" (a relative import)
+        except (ImportError, AttributeError, ValueError, TypeError) as e:
             raise ConfigError(f"cannot load {what} {name!r}: {e}; known {plural}: {sorted(table)}") from None
     if not (isinstance(target, type) and issubclass(target, base)):
         article = "an" if base.__name__[0] in "AEIOU" else "a"

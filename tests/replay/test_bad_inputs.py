@@ -4,6 +4,7 @@ never a traceback, never a hang. Sizes the machine cannot hold are refused
 before anything is allocated."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -39,7 +40,8 @@ def good_trace(tmp_path):
 
 
 def replay(trace, *options: str) -> list[str]:
-    return ["replay", str(trace), "--block-size", "4", "--cpu-blocks", "2", "--no-progress", *options]
+    cap = [] if "--cpu-bytes" in options else ["--cpu-blocks", "2"]  # alternatives: one or the other
+    return ["replay", str(trace), "--block-size", "4", *cap, "--no-progress", *options]
 
 
 def test_nan_timestamp_with_trace_arrival_is_refused_not_a_hang(tmp_path):
@@ -107,6 +109,29 @@ def test_trace_that_is_a_directory(tmp_path, capsys):
     (["--kv-bytes-per-token", "0"], "--kv-bytes-per-token must be positive, got 0"),
     (["--kv-bytes-per-token", "1e12"], "argument --kv-bytes-per-token: invalid int value: '1e12'"),
     (["--max-running", "x"], "argument --max-running: invalid int value: 'x'"),
+    # --extra sizes: the spec's rules, before the memory estimate read them (tracebacks, or no key named)
+    (["--extra", "num_cpu_chunks=1e999"], "num_cpu_chunks must be a positive integer, got inf"),
+    (["--extra", "num_cpu_chunks=Infinity"], "num_cpu_chunks must be a positive integer, got inf"),
+    (["--extra", "num_cpu_chunks=NaN"], "num_cpu_chunks must be a positive integer, got nan"),
+    (["--extra", "num_cpu_chunks=null"], "num_cpu_chunks must be a positive integer, got None"),
+    (["--cpu-bytes", "1MiB", "--extra", "cpu_bytes_to_use=[1]"], "cpu_bytes_to_use must be a positive integer, got [1]"),
+    (["--extra", "offload_prompt_only=maybe"], "offload_prompt_only must be true or false, got 'maybe'"),
+    (["--extra", "eviction_policy=" + "[" * 50_000 + "]" * 50_000], "--extra eviction_policy: JSON nested too deeply"),
+    (["--extra", "x=" + "1" * 5000], "--extra x: Exceeds the limit (4300 digits) for integer string conversion: "
+                                     "value has 5000 digits; use sys.set_int_max_str_digits() to increase the limit"),
+    # alternatives given together: one was silently ignored
+    (["--cpu-bytes", "1MiB", "--cpu-blocks", "5"], "--cpu-bytes and --cpu-blocks are alternatives; give one"),
+    (["--cpu-bytes", "1MiB", "--sweep", "5,6"], "--cpu-bytes and --sweep are alternatives; give one"),
+    (["--model", "llama-3.1-8b", "--kv-bytes-per-token", "16"],
+     "--model and --kv-bytes-per-token are alternatives; give one"),
+    # an empty value was silently the default
+    (["--cpu-blocks", ""], "--cpu-blocks is empty (''); give a value or leave the option out"),
+    (["--cpu-bytes", " "], "--cpu-bytes is empty (' '); give a value or leave the option out"),
+    (["--remote-url", ""], "--remote-url is empty (''); give a value or leave the option out"),
+    (["--storage-dir", "", "--storage-bytes", "4MiB"], "--storage-dir is empty (''); give a value or leave the option out"),
+    (["--json", ""], "--json is empty (''); give a value or leave the option out"),
+    (["--seed", "-1"], "--seed must be 0 or more, got -1"),
+    (["--sessions", "99999999999"], "--sessions must be at most 10000000, got 99999999999"),
 ])
 def test_bad_option_is_one_line(good_trace, capsys, options, message):
     assert one_line(capsys, replay(good_trace, *options)) == f"kvoffload replay: {message}"
@@ -121,10 +146,55 @@ def test_output_paths_are_checked_before_the_replay(good_trace, tmp_path, capsys
         f"kvoffload replay: --plot-dir {str(good_trace)!r} is not a directory"
 
 
-def test_unwritable_output_is_one_line(good_trace, tmp_path, capsys):
+def test_unwritable_output_is_refused_before_the_replay(good_trace, tmp_path, capsys):
     (tmp_path / "file").write_text("")
-    line = one_line(capsys, replay(good_trace, "--json", str(tmp_path / "file" / "r.json")), quiet=False)
-    assert line == f"kvoffload replay: {tmp_path / 'file'}: File exists"  # where r.json's folder should be
+    out = str(tmp_path / "file" / "sub" / "r.json")  # where r.json's folder should be, a file
+    assert one_line(capsys, replay(good_trace, "--json", out)) == \
+        f"kvoffload replay: --json {out!r}: {str(tmp_path / 'file')!r} is not a directory"
+    assert one_line(capsys, replay(good_trace, "--plot-dir", out)) == \
+        f"kvoffload replay: --plot-dir {out!r}: {str(tmp_path / 'file')!r} is not a directory"
+    # root's access() says yes to it; opening it to write does not
+    assert one_line(capsys, replay(good_trace, "--markdown", "/proc/version")) == \
+        "kvoffload replay: --markdown '/proc/version': Invalid argument"
+
+
+def test_output_in_a_read_only_folder_is_refused_before_the_replay(good_trace, tmp_path, capsys):
+    (tmp_path / "ro").mkdir()
+    (tmp_path / "ro" / "old.md").write_text("kept")
+    (tmp_path / "ro").chmod(0o500)
+    try:
+        if os.access(tmp_path / "ro", os.W_OK):  # root
+            pytest.skip("root writes into read-only folders")
+        assert one_line(capsys, replay(good_trace, "--markdown", str(tmp_path / "ro" / "new.md"))) == \
+            f"kvoffload replay: --markdown {str(tmp_path / 'ro' / 'new.md')!r}: {str(tmp_path / 'ro')!r} is not writable"
+    finally:
+        (tmp_path / "ro").chmod(0o700)
+    assert (tmp_path / "ro" / "old.md").read_text() == "kept"
+
+
+def test_the_output_check_leaves_files_as_they_were(good_trace, tmp_path, capsys):
+    old = tmp_path / "old.json"
+    old.write_text("kept")
+    one_line(capsys, replay(good_trace, "--json", str(old), "--seed", "-1"))  # refused after the output check
+    assert old.read_text() == "kept" and sorted(p.name for p in tmp_path.iterdir()) == ["good.jsonl", "old.json"]
+
+
+def test_markdown_of_a_trace_with_a_non_utf8_name(tmp_path):
+    name = os.fsdecode(b"caf\xe9.jsonl")  # holds a surrogate: write_text raised UnicodeEncodeError
+    (tmp_path / name).write_text(json.dumps(GOOD) + "\n")
+    # a subprocess: its stdout writes the name's byte back as the terminal would (pytest's refuses it)
+    proc = subprocess.run([sys.executable, "-m", "kvoffload.cli",
+                           *replay(tmp_path / name, "--markdown", str(tmp_path / "r.md"))],
+                          capture_output=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "caf\\udce9.jsonl" in (tmp_path / "r.md").read_text(encoding="utf-8")
+
+
+def test_a_failed_write_names_the_option_and_file(good_trace, capsys):
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full")
+    line = one_line(capsys, replay(good_trace, "--markdown", "/dev/full"), quiet=False)  # after the replay
+    assert line == "kvoffload replay: cannot write --markdown '/dev/full': No space left on device"
 
 
 def _too_big(nbytes: int) -> None:
@@ -155,4 +225,68 @@ def test_demo_bad_sizes(capsys):
     line = one_line(capsys, ["demo", "--page-kib", "100000000"])
     assert line.startswith("kvoffload demo: the demo's KV caches (4 layers x 64 blocks x --page-kib 100000000) "
                            "needs 52428800000000 bytes")
+    assert line.endswith(" of memory available")
+
+
+def test_same_file_for_json_and_markdown(good_trace, tmp_path, capsys):
+    a, b = tmp_path / "out", tmp_path / "sub" / ".." / "out"
+    assert one_line(capsys, replay(good_trace, "--json", str(a), "--markdown", str(b))) == \
+        f"kvoffload replay: --json and --markdown name the same file {str(b)!r}; give two"
+
+
+def test_empty_trace_path_is_not_the_generated_workload(capsys):
+    assert one_line(capsys, ["replay", "", "--no-progress"]) == \
+        "kvoffload replay: the trace path is empty (''); give a value or leave the option out"
+
+
+def test_policy_that_is_no_module_names_itself(good_trace, capsys):
+    for policy in (":", ".x"):
+        line = one_line(capsys, replay(good_trace, "--policy", policy))
+        assert line.startswith(f"kvoffload replay: cannot load eviction policy {policy!r}: ")  # was "Empty module name"
+
+
+@pytest.mark.parametrize("extra", [["--extra", "cpu_bytes_to_use=8MiB"],
+                                   ["--cpu-bytes", "1MiB", "--extra", "cpu_bytes_to_use=8MiB"]])
+def test_extra_cpu_bytes_with_a_unit_is_accepted(good_trace, capsys, extra):
+    # the memory estimate ran int('8MiB'); alone, the default --cpu-blocks 10% made it "not both"
+    argv = ["replay", str(good_trace), "--block-size", "4", "--no-progress", *extra]
+    assert main(argv) == 0, capsys.readouterr().err
+    assert "capacity" in capsys.readouterr().out
+
+
+def test_default_capacity_that_gives_no_blocks_says_it_is_the_default(good_trace, capsys):
+    # 10% of the trace's 2 unique blocks; the user gave no --cpu-blocks
+    assert one_line(capsys, ["replay", str(good_trace), "--block-size", "4", "--no-progress"]) == \
+        "kvoffload replay: --cpu-blocks (default 10%): '10%' gives 0 blocks; need at least 1"
+
+
+def test_metrics_port_in_use_names_the_port(good_trace, capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        line = one_line(capsys, replay(good_trace, "--metrics-port", str(port)))
+    assert line == f"kvoffload replay: --metrics-port {port}: Address already in use"
+
+
+def test_huge_sessions_with_a_limit_builds_only_what_it_replays():
+    # a subprocess with a timeout: it built every session first (minutes) before cutting to --limit
+    proc = subprocess.run([sys.executable, "-m", "kvoffload.cli", "replay", "--sessions", "200000", "--limit", "2",
+                           "--cpu-blocks", "2", "--no-progress"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert "requests                       2\n" in proc.stdout
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999999", "-1"])
+def test_demo_seed_out_of_range_names_the_option(capsys, seed):
+    assert one_line(capsys, ["demo", "--seed", seed]) == f"kvoffload demo: --seed must be in [0, 2**64), got {seed}"
+
+
+def test_generated_workload_larger_than_memory_is_refused(capsys):
+    _too_big(10**7 * 400_000)
+    line = one_line(capsys, ["replay", "--sessions", "10000000", "--block-size", "1", "--no-progress"])
+    assert line.startswith("kvoffload replay: the generated workload (10,000,000 sessions of --sessions 10,000,000 "
+                           "at --block-size 1) needs ")
     assert line.endswith(" of memory available")

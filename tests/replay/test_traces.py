@@ -122,3 +122,11 @@ def test_bailian_sessions_follow_parent_chat_ids_to_the_root(tmp_path):
                                      "output_length": 1, "type": "text", "turn": 1, "hash_ids": [c]}) + "\n"
                          for i, (c, par) in enumerate(rows)))
     assert [r.session for r in load_trace(p).requests] == ["1", "2", "1", "1", "2", "99"]
+
+
+@pytest.mark.parametrize("sessions, limit", [(40, 1), (40, 17), (40, 39), (5, 100)])
+def test_generator_limit_is_the_first_requests_of_the_whole_workload(sessions, limit):
+    """--limit builds only the sessions it needs (a huge --sessions with --limit 1 took minutes)."""
+    whole = generate_chat(seed=3, sessions=sessions, block_size=16)
+    cut = generate_chat(seed=3, sessions=sessions, block_size=16, limit=limit)
+    assert [vars(r) for r in cut.requests] == [vars(r) for r in whole.requests[:limit]]

@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvoffload.config import ConfigError, check_fits_in_memory, memory_available, parse_bytes
+from kvoffload.config import ConfigError, check_fits_in_memory, memory_available, parse_bytes, positive_int
 from kvoffload.policies import get_policy_class
 from kvoffload.redact import redact_text, redact_url
 from kvoffload.replay.sweep import default_workers, fit_workers, replay_once, run_sweep
@@ -44,7 +45,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="agentic traces: seconds between the conversations' starts, in file-name order "
                         "(default 60); sets their interleaving, with --arrival asap too")
     t.add_argument("--seed", type=int, default=0, help="seed of the generated workload (default 0)")
-    t.add_argument("--sessions", type=int, default=200, help="chat sessions of the generated workload (default 200)")
+    t.add_argument("--sessions", type=int, default=200,
+                   help=f"chat sessions of the generated workload (default 200, at most {MAX_SESSIONS:,})")
     t.add_argument("--hint-final-turns", action="store_true",
                    help="send kv_retention=low with every request whose new blocks no later request reuses "
                         "(what an application that knows a session's last turn would send; uses the trace's future)")
@@ -135,6 +137,14 @@ def one_line(e: BaseException) -> str:
 
 
 HOLD_MAX_S = 365 * 86400
+# The generator draws every session's start time up front (8 bytes each), even under --limit.
+MAX_SESSIONS = 10_000_000
+# Options that are alternatives: given together, one would be silently ignored.
+ALTERNATIVES = (("cpu_bytes", "cpu_blocks"), ("cpu_bytes", "sweep"), ("model", "kv_bytes_per_token"))
+
+
+def option(name: str) -> str:
+    return "--" + name.replace("_", "-")
 
 
 def check_args(args) -> None:
@@ -144,6 +154,16 @@ def check_args(args) -> None:
         if value is not None and not (math.isfinite(value) and (value >= low if low_ok else value > low)):
             need = f"a finite number {'>=' if low_ok else '>'} {low:g}"
             raise ConfigError(f"--{name.replace('_', '-')} must be {need}, got {value!r}")
+    # '' is a mistake (an unset shell variable), not "the default": argparse passes it through
+    for name in ("trace", "cpu_blocks", "cpu_bytes", "storage_dir", "storage_bytes", "remote_url", "spec",
+                 "json", "markdown", "plot_dir", "events_endpoint"):
+        value = getattr(args, name)
+        if value is not None and not value.strip():
+            what = "the trace path" if name == "trace" else option(name)
+            raise ConfigError(f"{what} is empty ({value!r}); give a value or leave the option out")
+    for a, b in ALTERNATIVES:
+        if getattr(args, a) is not None and getattr(args, b) is not None:
+            raise ConfigError(f"{option(a)} and {option(b)} are alternatives; give one")
     policies = policy_list(args.policy)
     if not policies:
         raise ConfigError(f"--policy {args.policy!r} names no policy (e.g. lru, or lru,arc,hubchain)")
@@ -161,6 +181,10 @@ def check_args(args) -> None:
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.sessions > MAX_SESSIONS:
+        raise ConfigError(f"--sessions must be at most {MAX_SESSIONS}, got {args.sessions}")
+    if args.seed < 0:
+        raise ConfigError(f"--seed must be 0 or more, got {args.seed}")
     if args.gpu_blocks < 0:
         raise ConfigError(f"--gpu-blocks must be 0 or more, got {args.gpu_blocks}")
     if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
@@ -175,12 +199,43 @@ def check_args(args) -> None:
             parts.port  # noqa: B018 - parses the port: ValueError when out of range
         except ValueError as e:
             raise ConfigError(f"--remote-url {redact_url(args.remote_url)!r}: {e}") from None
-    for name in ("json", "markdown"):
-        path = getattr(args, name)
-        if path is not None and Path(path).is_dir():
-            raise ConfigError(f"--{name} {path!r} is a directory; give a file path")
-    if args.plot_dir is not None and Path(args.plot_dir).exists() and not Path(args.plot_dir).is_dir():
-        raise ConfigError(f"--plot-dir {args.plot_dir!r} is not a directory")
+    for name in ("json", "markdown", "plot_dir"):
+        if getattr(args, name) is not None:
+            check_output(option(name), getattr(args, name), directory=name == "plot_dir")
+    if args.json is not None and args.markdown is not None and \
+            os.path.realpath(args.json) == os.path.realpath(args.markdown):
+        raise ConfigError(f"--json and --markdown name the same file {args.markdown!r}; give two")
+
+
+def check_output(flag: str, path: str, directory: bool = False) -> None:
+    """Refuse now, not after an hour-long sweep, an output the end could not
+    write: its folder (or the nearest that exists; the rest is made at the
+    end) must be a writable directory, and an existing file writable."""
+    p = Path(path)
+    if p.is_dir() and not directory:
+        raise ConfigError(f"{flag} {path!r} is a directory; give a file path")
+    if p.exists() and not p.is_dir() and directory:
+        raise ConfigError(f"{flag} {path!r} is not a directory")
+    here = p if directory else p.parent
+    while not here.exists() and here != here.parent:
+        here = here.parent
+    if not here.is_dir():
+        raise ConfigError(f"{flag} {path!r}: {str(here)!r} is not a directory")
+    if not os.access(here, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag} {path!r}: {str(here)!r} is not writable")
+    if p.is_file():  # a regular file only (a FIFO would block); root's access() passes /proc files
+        try:
+            open(p, "ab").close()  # appends nothing: the file is unchanged
+        except OSError as e:
+            raise ConfigError(f"{flag} {path!r}: {e.strerror}") from None
+
+
+def write_output(flag: str, path: str | Path, write) -> None:
+    """write(), its OSError naming the option and the file (ENOSPC and EIO name neither)."""
+    try:
+        write()
+    except OSError as e:
+        raise ConfigError(f"cannot write {flag} {str(path)!r}: {e.strerror or e}") from None
 
 
 def sweep_points(value: str) -> list[str]:
@@ -210,8 +265,14 @@ def check_engine_memory(trace: Trace, opts) -> int:
     check_fits_in_memory(blocks * page, f"the simulated GPU KV cache ({blocks} blocks of {page} bytes: "
                                         f"--gpu-blocks, --max-running, the longest request, --kv-bytes-per-token)")
     extra = opts.extra_config
-    pool = extra.get("cpu_bytes_to_use") or extra.get("num_cpu_chunks", 0) * -(-page // 4096) * 4096
-    return blocks * page + int(pool)
+    # --extra values are raw: read them by the spec's own rules (its ConfigError naming the key)
+    if "cpu_bytes_to_use" in extra:
+        pool = parse_bytes(extra["cpu_bytes_to_use"], "cpu_bytes_to_use")
+    elif "num_cpu_chunks" in extra:
+        pool = positive_int(extra["num_cpu_chunks"], "num_cpu_chunks") * (-(-page // 4096) * 4096)
+    else:
+        pool = 0
+    return blocks * page + pool
 
 
 def parse_capacity(value: str, unique_blocks: int, key: str = "--cpu-blocks") -> int:
@@ -241,6 +302,10 @@ def _extra_kv(items: list[str]) -> dict[str, Any]:
             out[k] = json.loads(v)
         except json.JSONDecodeError:
             out[k] = v
+        except RecursionError:
+            raise ConfigError(f"--extra {k}: JSON nested too deeply") from None
+        except ValueError as e:  # an integer of more than 4300 digits
+            raise ConfigError(f"--extra {k}: {e}") from None
     return out
 
 
@@ -260,11 +325,15 @@ def _load_requests(args) -> Trace:
         raise ConfigError("--sessions and --block-size must be positive")
     if args.limit is not None and args.limit <= 0:
         raise ConfigError(f"--limit must be positive, got {args.limit}")
-    trace = generate_chat(seed=args.seed, sessions=args.sessions,
-                          block_size=64 if args.block_size is None else args.block_size)
-    if args.limit:
-        trace.requests = trace.requests[: args.limit]
-    return trace
+    bs = 64 if args.block_size is None else args.block_size
+    # --limit N needs only the first N sessions; each costs about 4 KiB plus its block
+    # hashes (8-byte references, in every turn's prefix), and each start time 8 bytes
+    built = min(args.sessions, args.limit or args.sessions)
+    check_fits_in_memory(8 * args.sessions + built * (4096 + 400_000 // bs),
+                         f"the generated workload ({built:,} sessions of --sessions {args.sessions:,} "
+                         f"at --block-size {bs})")
+    return generate_chat(seed=args.seed, sessions=args.sessions, block_size=bs, limit=args.limit,
+                         progress=not args.no_progress)
 
 
 def build_options(args, trace: Trace, cpu_blocks: str | None = None, policy: str | None = None,
@@ -277,9 +346,12 @@ def build_options(args, trace: Trace, cpu_blocks: str | None = None, policy: str
     from kvoffload.replay.engine import EngineOptions
 
     extra: dict[str, Any] = {"eviction_policy": policy or policy_list(args.policy)[0]}
+    given = _extra_kv(args.extra)
     cap = cpu_blocks or args.cpu_blocks
-    if cap is not None or not args.cpu_bytes:
-        extra["num_cpu_chunks"] = parse_capacity(cap or "10%", trace.num_unique_blocks())
+    if cap is not None or not (args.cpu_bytes or "cpu_bytes_to_use" in given):
+        # name what the capacity came from: a trace with few unique blocks gives 10% of them = 0
+        key = "--sweep" if cpu_blocks else "--cpu-blocks" if args.cpu_blocks else "--cpu-blocks (default 10%)"
+        extra["num_cpu_chunks"] = parse_capacity(cap or "10%", trace.num_unique_blocks(), key)
     if args.cpu_bytes and not cpu_blocks:
         extra.pop("num_cpu_chunks", None)
         extra["cpu_bytes_to_use"] = parse_bytes(args.cpu_bytes, "--cpu-bytes")
@@ -291,7 +363,7 @@ def build_options(args, trace: Trace, cpu_blocks: str | None = None, policy: str
         extra["remote_url"] = args.remote_url
     if args.offload_prompt_only is not None:
         extra["offload_prompt_only"] = args.offload_prompt_only
-    extra.update(_extra_kv(args.extra))
+    extra.update(given)
     if point is not None and any(extra.get(k) for k in ("storage_dir", "remote_url", "secondary_tiers")):
         ns = extra.get("namespace", {})
         if isinstance(ns, dict):  # (else left as given: the spec names the error)
@@ -318,7 +390,10 @@ def _start_observability(args) -> None:
 
         args._metrics = PrometheusMetrics(config_info={"policy": args.policy, "spec": args.spec or "auto"},
                                           vllm_names=not args.no_vllm_metric_names)
-        port = args._metrics.serve(args.metrics_port)
+        try:
+            port = args._metrics.serve(args.metrics_port)
+        except OSError as e:  # "Address already in use" names no port
+            raise ConfigError(f"--metrics-port {args.metrics_port}: {e.strerror or e}") from None
         print(f"kvoffload replay: metrics on http://127.0.0.1:{port}/metrics", file=sys.stderr)
     if args.events_endpoint:
         from kvoffload.events import ZmqEventPublisher
@@ -422,15 +497,17 @@ def _run(args) -> int:
     compared = len(policies) > 1
     if args.json:
         several = points or compared
-        report.write_json([report.to_json(r) for r in results] if several else report.to_json(results[0]),
-                          args.json)
+        write_output("--json", args.json, lambda: report.write_json(
+            [report.to_json(r) for r in results] if several else report.to_json(results[0]), args.json))
     if args.markdown:
         if compared:
             md = report.policy_table(by_policy)
         else:
             md = report.sweep_table(points) if points else report.to_markdown(results[0])
-        Path(args.markdown).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.markdown).write_text(md)
+        out = Path(args.markdown)
+        # a trace name from a non-UTF-8 file name holds surrogates: write them as \udcXX
+        write_output("--markdown", out, lambda: (out.parent.mkdir(parents=True, exist_ok=True),
+                                                 out.write_text(md, encoding="utf-8", errors="backslashreplace")))
     if args.plot_dir:
         d = Path(args.plot_dir)
         d.mkdir(parents=True, exist_ok=True)

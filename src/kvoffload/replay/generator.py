@@ -8,13 +8,21 @@ but seeded, and hashed exactly like a `tokens` trace.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from kvoffload.replay.traces import Request, Trace, chain_hashes
 
 
 def generate_chat(seed: int = 0, sessions: int = 200, block_size: int = 64,
-                  system_prompts: int = 4, max_turns: int = 8) -> Trace:
+                  system_prompts: int = 4, max_turns: int = 8, limit: int | None = None,
+                  progress: bool = False) -> Trace:
+    """limit: only the first `limit` requests (by arrival), the same as
+    generating all and cutting, without building the other sessions: each
+    session's first request arrives at its start, and the sessions start in
+    order, so the first N requests come from the first N sessions.
+    progress: a bar on stderr when generating takes more than 2 s."""
     rng = np.random.default_rng(seed)
     vocab = 32000
     sys_tokens = [rng.integers(0, vocab, int(rng.integers(512, 3072))) for _ in range(system_prompts)]
@@ -22,7 +30,16 @@ def generate_chat(seed: int = 0, sessions: int = 200, block_size: int = 64,
     popularity /= popularity.sum()
     requests: list[Request] = []
     start_ms = np.cumsum(rng.exponential(2000.0, sessions))  # a session every ~2 s
-    for s in range(sessions):
+    built = range(sessions if limit is None else min(sessions, limit))
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            built = tqdm(built, desc="generating chat sessions", unit="session", file=sys.stderr,
+                         delay=2, leave=False)
+        except ImportError:
+            pass
+    for s in built:
         tokens = list(sys_tokens[int(rng.choice(system_prompts, p=popularity))])
         hashes: list[int] = []
         t = float(start_ms[s])
@@ -41,6 +58,8 @@ def generate_chat(seed: int = 0, sessions: int = 200, block_size: int = 64,
             ))
             t += float(rng.exponential(30000.0))  # user think time
     requests.sort(key=lambda r: r.arrival_ms)
+    if limit is not None:
+        requests = requests[:limit]
     return Trace(name=f"chat(seed={seed},sessions={sessions})", block_size=block_size, requests=requests)
 
 
