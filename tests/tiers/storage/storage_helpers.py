@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -58,3 +62,24 @@ def close(tier: StorageTier) -> None:
     if tier._worker is not None:
         tier._worker.shutdown()
     tier.get_manager().shutdown()
+
+
+_OPEN_IN_CHILD = f"""
+import sys
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from kvoffload.tiers.storage.store import StorageError
+from kvoffload.tiers.storage.tier import StorageTier
+from storage_helpers import CHUNK, NS
+try:
+    StorageTier(sys.argv[1], int(sys.argv[2]) * CHUNK, CHUNK, NS)
+except StorageError as e:
+    print(e)
+    sys.exit(3)
+"""
+
+
+def open_in_child(path, slots: int, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Open a tier on path in another process: rc 3 and the StorageError's
+    line on stdout if refused (the time limit keeps a hang from hanging the suite)."""
+    return subprocess.run([sys.executable, "-c", _OPEN_IN_CHILD, str(path), str(slots)],
+                          capture_output=True, text=True, timeout=timeout)

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 
 from kvoffload.abstractions import LookupResult
 from kvoffload.tiers.storage.store import StorageError
 from kvoffload.tiers.storage.tier import StorageTier
-from storage_helpers import CHUNK, CTX, NS, fill, key, load, store
+from storage_helpers import CHUNK, CTX, NS, fill, key, load, open_in_child, store
 
 
 def test_path_under_a_file_is_a_clear_startup_error(tmp_path, make_tier):
@@ -36,23 +34,10 @@ def test_second_opener_is_refused(tmp_path, make_tier):
     make_tier()
     with pytest.raises(StorageError, match="already open in this process"):
         make_tier()
-    other = subprocess.run(
-        [sys.executable, "-c", OPENER, str(tmp_path / "store")], capture_output=True, text=True, timeout=120)
+    other = open_in_child(tmp_path / "store", 32)
     assert other.returncode == 3 and "in use by another process" in other.stdout, other
 
 
-OPENER = f"""
-import sys
-sys.path.insert(0, {os.path.dirname(__file__)!r})
-from kvoffload.tiers.storage.store import StorageError
-from kvoffload.tiers.storage.tier import StorageTier
-from storage_helpers import CHUNK, NS
-try:
-    StorageTier(sys.argv[1], 32 * CHUNK, CHUNK, NS)
-except StorageError as e:
-    print(e)
-    sys.exit(3)
-"""
 
 
 def test_vanished_directory_does_not_crash(tmp_path, make_tier, pool):

@@ -9,13 +9,12 @@ import pwd
 import shutil
 import stat
 import subprocess
-import sys
 import tempfile
 
 import pytest
 
 from kvoffload.tiers.storage.store import StorageError
-from storage_helpers import NS, close
+from storage_helpers import NS, close, open_in_child
 
 as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to act as another user (nobody)")
 
@@ -104,18 +103,6 @@ def test_created_files_are_private(make_tier):
     assert not [f for f in os.listdir(d) if f.endswith(".tmp")]
 
 
-OPEN = f"""
-import sys
-sys.path.insert(0, {os.path.dirname(__file__)!r})
-from kvoffload.tiers.storage.store import StorageError
-from kvoffload.tiers.storage.tier import StorageTier
-from storage_helpers import CHUNK, NS
-try:
-    StorageTier(sys.argv[1], 8 * CHUNK, CHUNK, NS)
-except StorageError as e:
-    print(e)
-    sys.exit(3)
-"""
 
 
 @pytest.mark.parametrize("name", ["namespace.json", "index.log"])
@@ -127,7 +114,6 @@ def test_a_fifo_in_our_directory_is_refused_not_waited_on(tmp_path, make_tier, n
     close(tier)
     os.unlink(d / name)
     os.mkfifo(d / name, 0o600)
-    out = subprocess.run([sys.executable, "-c", OPEN, str(tmp_path / "store")], capture_output=True, text=True,
-                         timeout=60)
+    out = open_in_child(tmp_path / "store", 8, timeout=60)
     assert out.returncode == 3 and out.stdout.count("\n") == 1, out
     assert f"{d / name}" in out.stdout and "not a regular file" in out.stdout, out
