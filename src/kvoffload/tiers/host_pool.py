@@ -184,9 +184,16 @@ class SharedHostPool(HostPool):
         finally:
             os.close(fd)
 
-    def close(self) -> None:
-        """Unpin; the creator also removes the file (mappings stay valid)."""
-        super().close()
+    def remove_file(self) -> None:
+        """The creator removes the file; mappings stay valid. First thing at
+        shutdown: what follows may be slow (IO threads finishing), and an
+        engine killed meanwhile would leave the file, which refuses the next
+        start at this path."""
         if self.owner:
             self.path.unlink(missing_ok=True)
             self.owner = False
+
+    def close(self) -> None:
+        """Unpin; the creator also removes the file (mappings stay valid)."""
+        super().close()
+        self.remove_file()

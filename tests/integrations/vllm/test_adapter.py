@@ -612,3 +612,25 @@ def test_worker_side_spec_learns_sliding_windows():
     assert groups[1].layer_names == ("model.layers.1.attn",)
     # the scheduler's process has no model: no kinds, but the same shared kvoffload spec
     assert KVOffloadingSpec(_hybrid_config(layers, "windows")).inner is spec.inner
+
+
+def test_tp_rank_0_removes_the_pool_file_before_its_slow_shutdown(tmp_path):
+    """vLLM kills a worker that does not exit in time; the file of an explicit
+    shared_pool_path left behind refuses the next engine's start. So rank 0
+    removes it first, before its IO threads finish (they still use the
+    mapping, which stays valid)."""
+    from kvoffload.integrations.vllm.worker import VLLMOffloadingWorker
+    from kvoffload.tiers.host_pool import SharedHostPool
+
+    path = tmp_path / "pool"
+    pool = SharedHostPool.create(path, 4, 4096)
+    seen = []
+
+    class SlowInner:  # the only stand-in: a rank's threads still finishing at shutdown
+        def shutdown(self):
+            seen.append((path.exists(), bytes(pool.chunk(0)[:4])))
+
+    pool.chunk(0)[:4] = np.frombuffer(b"kvof", np.uint8)
+    VLLMOffloadingWorker(SlowInner(), pool).shutdown()
+    assert seen == [(False, b"kvof")]  # gone from the directory, still mapped for the threads
+    assert not path.exists()

@@ -32,7 +32,9 @@ class VLLMOffloadingWorker(vbase.OffloadingWorker):
         self.inner.wait(job_ids)
 
     def shutdown(self) -> None:
-        self.inner.shutdown()
         if self.shared_pool is not None:  # its creator (TP rank 0) removes the file if still there
+            self.shared_pool.remove_file()  # (before the slower part: vLLM may kill a rank that lingers)
+        self.inner.shutdown()
+        if self.shared_pool is not None:
             self.shared_pool.close()
             self.shared_pool = None
