@@ -17,10 +17,12 @@ that opens it never sees a half-made pool.
 
 from __future__ import annotations
 
+import atexit
 import mmap
 import os
 import struct
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -110,6 +112,12 @@ def _wait_for(path: Path, wait_s: float) -> None:
         time.sleep(0.01)
 
 
+def _remove_at_exit(pool_ref: weakref.ref, creator_pid: int) -> None:
+    pool = pool_ref()
+    if pool is not None and os.getpid() == creator_pid:
+        pool.remove_file()
+
+
 class SharedHostPool(HostPool):
     """num_chunks chunk slots in a MAP_SHARED mapping of the file at `path`."""
 
@@ -150,6 +158,9 @@ class SharedHostPool(HostPool):
                                   offset=ALIGN), touch=create)  # the creator allocates every page
             if create:
                 os.link(made, self.path)  # appears complete; FileExistsError if another made it meanwhile
+                # vLLM SIGTERMs a rank that lingers at shutdown (SystemExit: atexit runs) before
+                # its connector may close us; a forked child inherits this but is not the creator
+                atexit.register(_remove_at_exit, weakref.ref(self), os.getpid())
         finally:
             os.close(fd)
             if create:

@@ -634,3 +634,31 @@ def test_tp_rank_0_removes_the_pool_file_before_its_slow_shutdown(tmp_path):
     VLLMOffloadingWorker(SlowInner(), pool).shutdown()
     assert seen == [(False, b"kvof")]  # gone from the directory, still mapped for the threads
     assert not path.exists()
+
+
+def test_a_pool_creator_terminated_at_shutdown_leaves_no_file(tmp_path):
+    """vLLM SIGTERMs a rank still running 5 s after shutdown began (its
+    handler raises SystemExit): the creator's file goes with it, not only
+    when the connector closes the pool."""
+    import signal
+    import subprocess
+    import sys
+
+    path = tmp_path / "pool"
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import signal, sys, time
+from kvoffload.tiers.host_pool import SharedHostPool
+def stop(*_):
+    raise SystemExit(0)  # as vLLM's worker does on SIGTERM
+signal.signal(signal.SIGTERM, stop)
+pool = SharedHostPool.create({str(path)!r}, 4, 4096)
+print("made", flush=True)
+time.sleep(600)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "made\n" and path.exists()
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(timeout=120) == 0
+    finally:
+        child.kill()
+    assert not path.exists()
