@@ -5,6 +5,7 @@ line (ConfigError), never a traceback or a minutes-long retry loop."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 
@@ -13,8 +14,9 @@ from kvoffload.cli import main
 from kvoffload.config import ConfigError
 from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.mooncake import MooncakeConfig, MooncakeTier
-from kvoffload.tiers.remote.server import free_port
-from mooncake_helpers import fill, keys_for, lookup, make_tier, store, wait_until
+from kvoffload.tiers.remote.server import free_port, pause, resume
+from mooncake_helpers import CTX, fill, keys_for, load, lookup, make_tier, store, wait_until
+from mooncake_stuck_proc import run_stuck_shutdown
 
 pytestmark = pytest.mark.mooncake
 
@@ -83,6 +85,12 @@ def test_dead_metadata_server_at_start_is_one_clear_line(mooncake):
     ({"metadata_server": "http://127.0.0.1:99999/metadata"}, r"mooncake\.metadata_server .*Port out of range"),
     ({"rpc_timeout_s": float("inf")}, r"mooncake\.rpc_timeout_s must be at most"),
     ({"connect_timeout_s": 1e-7}, r"mooncake\.connect_timeout_s must be at least"),
+    # the client has no redis metadata plugin: it aborted the process (SIGABRT) in set-up
+    ({"metadata_server": "redis://127.0.0.1:6379"}, r"mooncake\.metadata_server must be an http://, https://"),
+    ({"replicas": 2**64}, r"mooncake\.replicas must be at most 64"),  # was a TypeError from the client
+    ({"replicas": 2**40}, r"mooncake\.replicas must be at most 64"),  # was accepted; every store then failed
+    ({"transfer_timeout_s": 0.5}, r"mooncake\.transfer_timeout_s must be at least 1"),
+    ({"backoff_max_s": float("inf")}, r"mooncake\.backoff_max_s must be at most"),
 ])
 def test_bad_config_names_the_key(conf, match, monkeypatch):
     monkeypatch.delenv("KVO_UNSET_MAC_VAR", raising=False)
@@ -141,5 +149,43 @@ def test_lookup_thread_survives_a_failed_round(mooncake, prefix):
         assert lookup(m, keys[0]) is LookupResult.MISS  # the failed round: unknown, a short-lived miss
         assert faulty.calls == 1
         wait_until(lambda: [lookup(m, k) for k in keys] == [LookupResult.HIT] * 2, "HITs after the failed round")
+    finally:
+        tier.shutdown()
+
+
+def test_shutdown_during_a_stuck_transfer_leaves_the_client_open(fresh_mooncake, prefix):
+    rc, out = run_stuck_shutdown(fresh_mooncake.start(), prefix, "tier")
+    # was SIGSEGV (-11) once the stuck call returned into the client closed under it
+    assert rc == 0 and "survived\nload returned" in out, out
+    assert "the client is left open" in out
+
+
+def test_a_paused_store_node_fails_a_load_by_transfer_timeout_and_backs_off(fresh_mooncake, prefix):
+    srv = fresh_mooncake.start()
+    tier, m, w, pool = make_tier(srv, prefix, num_chunks=8, chunk_bytes=16 << 10, transfer_timeout_s=1.0)
+    try:
+        keys = keys_for(4, seed=36)
+        fill(pool, range(4), seed=36)
+        assert store(m, w, keys, [0, 1, 2, 3])
+        pause(srv.node)
+        t0 = time.monotonic()
+        assert not load(m, w, keys, [4, 5, 6, 7])
+        assert time.monotonic() - t0 < 30  # generous: Mooncake's own transfer timeout is 60 s
+        assert m.get_stats().gauges["server_up"] == 0.0  # a node not answering backs off like the master
+    finally:
+        resume(srv.node)
+        tier.shutdown()
+
+
+def test_a_key_not_bytes_does_not_fail_the_keys_checked_with_it(mooncake, prefix):
+    tier, m, w, pool = make_tier(mooncake, prefix, num_chunks=4, chunk_bytes=16 << 10)
+    try:
+        keys = keys_for(1, seed=37)
+        fill(pool, [0], seed=37)
+        assert store(m, w, keys, [0])
+        m.reset_cache()
+        assert m.lookup("not bytes", CTX) is LookupResult.RETRY  # queued for the same round as the next
+        assert lookup(m, keys[0]) is LookupResult.HIT  # was MISS: the whole round failed on the str key
+        assert lookup(m, "not bytes") is LookupResult.MISS
     finally:
         tier.shutdown()

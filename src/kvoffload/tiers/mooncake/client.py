@@ -2,15 +2,19 @@
 
 The client (mooncake.store.MooncakeDistributedStore, a C++ extension)
 talks to the master for metadata and moves bytes with its transfer
-engine. Its RPC timeouts are process-wide environment variables read when
-a client is set up, so they are set from the config just before.
+engine. Its RPC and transfer timeouts are process-wide environment
+variables read when a client is set up, so they are set from the config
+just before. The client crashes the process (SIGSEGV) on any call after
+close(), so the tier only ever holds it through ClosableStore.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
+import threading
 from urllib.parse import urlsplit
 
 from kvoffload.config import ConfigError
@@ -65,6 +69,9 @@ def open_store(cfg: MooncakeConfig):
                               f"check mooncake.metadata_server (mooncake_master -enable_http_metadata_server)")
     os.environ["MC_RPC_TIMEOUT_MS"] = str(max(1, int(cfg.rpc_timeout_s * 1000)))
     os.environ["MC_RPC_CONNECT_TIMEOUT_MS"] = str(max(1, int(cfg.connect_timeout_s * 1000)))
+    # a transfer to a store node that stopped answering fails after this long without progress
+    transfer_s = str(math.ceil(cfg.transfer_timeout_s))
+    os.environ["MC_TCP_PROGRESS_TIMEOUT_SEC"] = os.environ["MC_TCP_STATUS_TIMEOUT_SEC"] = transfer_s
     os.environ.setdefault("MC_STORE_CLIENT_SETUP_RETRIES", "3")  # checked above; don't retry for minutes
     store = MooncakeDistributedStore()
     rc = store.setup(cfg.local_hostname, cfg.metadata_server, cfg.segment_bytes, cfg.local_buffer_bytes,
@@ -72,7 +79,54 @@ def open_store(cfg: MooncakeConfig):
     if rc != 0:
         raise ConfigError(f"mooncake tier: client set-up against master {cfg.master_address} and metadata "
                           f"{cfg.metadata_server} failed (code {rc}); see the Mooncake log lines above")
-    return store
+    return ClosableStore(store)
+
+
+class ClosableStore:
+    """The client, safe to close while other threads use it: a call after
+    close() raises RuntimeError (callers count it as a failure) instead of
+    reaching the closed client, and close() waits for the calls in flight.
+    One still inside the client after wait_s (a transfer stuck on a paused
+    store node) keeps the client open for good: leaked, with one warning,
+    never closed under a live call."""
+
+    def __init__(self, store):
+        self._store = store
+        self._cond = threading.Condition()
+        self._in_flight = 0
+        self._closed = False
+
+    def __getattr__(self, name: str):
+        fn = getattr(self._store, name)
+        if not callable(fn):
+            return fn
+
+        def call(*args, **kwargs):
+            with self._cond:
+                if self._closed:
+                    raise RuntimeError(f"mooncake client closed (call {name})")
+                self._in_flight += 1
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                with self._cond:
+                    self._in_flight -= 1
+                    self._cond.notify_all()
+
+        return call
+
+    def close(self, wait_s: float = 1.0) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            idle = self._cond.wait_for(lambda: self._in_flight == 0, timeout=wait_s)
+            busy = self._in_flight
+        if not idle:
+            log.warning("mooncake tier: %d client call(s) still running at shutdown (a store node not "
+                        "answering?); the client is left open, not closed under them", busy)
+            return
+        self._store.close()
 
 
 def replicate_config(cfg: MooncakeConfig):

@@ -14,7 +14,9 @@ from urllib.parse import parse_qsl, urlsplit
 from kvoffload.config import MIN_TIMEOUT_S, ConfigError, check_known_keys, parse_bytes, positive_int, seconds
 from kvoffload.tiers.remote.config import RemoteConfig
 
-METADATA_SCHEMES = ("http://", "https://", "etcd://", "redis://")
+# what the installed client has metadata plugins for: any other scheme aborts the process in set-up
+METADATA_SCHEMES = ("http://", "https://", "etcd://")
+MAX_REPLICAS = 64  # copies of a value; the master allocates per copy (2**40 failed every put, 2**64 raised)
 DEFAULT_METADATA_PORT = 8080  # mooncake_master -http_metadata_server_port default
 URL_KEYS = ("metadata_server", "segment_bytes", "local_buffer_bytes", "key_prefix", "protocol", "local_hostname")
 
@@ -44,6 +46,9 @@ class MooncakeConfig:
     key_prefix: str = "kvoffload"  # keys: <prefix>:<namespace digest>:<hex key>
     connect_timeout_s: float = 1.0  # start-up reachability check; MC_RPC_CONNECT_TIMEOUT_MS
     rpc_timeout_s: float = 2.0  # MC_RPC_TIMEOUT_MS: bounds every wait on a paused master
+    # MC_TCP_PROGRESS_TIMEOUT_SEC / MC_TCP_STATUS_TIMEOUT_SEC (whole seconds, rounded up): a transfer
+    # to a paused or dead store node that makes no progress this long fails (the client's default: 60 s)
+    transfer_timeout_s: float = 2.0
     lookup_cache_s: float = 2.0  # how long a "present" answer is trusted
     miss_cache_s: float = 0.25  # how long an "absent" answer is trusted
     lookup_coalesce_s: float = 0.002  # wait this long to batch lookups before a check
@@ -65,8 +70,8 @@ class MooncakeConfig:
         split_host_port(self.master_address, "mooncake.master_address")
         ms = self.metadata_server
         if not isinstance(ms, str) or not (ms == "P2PHANDSHAKE" or ms.startswith(METADATA_SCHEMES)):
-            raise ConfigError(f"mooncake.metadata_server must be an http://, etcd:// or redis:// address "
-                              f"or P2PHANDSHAKE, got {ms!r}")
+            raise ConfigError(f"mooncake.metadata_server must be an http://, https:// or etcd:// address "
+                              f"or P2PHANDSHAKE (the Mooncake client has no other metadata plugin), got {ms!r}")
         if ms.startswith(("http://", "https://")):  # start-up connects to it: a bad port must be named here
             try:
                 urlsplit(ms).port
@@ -86,8 +91,11 @@ class MooncakeConfig:
             raise ConfigError(f"mooncake.segment_bytes must be a size >= 0, got {self.segment_bytes!r}")
         for key in ("local_buffer_bytes", "replicas", "io_threads", "batch_bytes", "max_queue_bytes"):
             positive_int(getattr(self, key), f"mooncake.{key}")
+        if self.replicas > MAX_REPLICAS:
+            raise ConfigError(f"mooncake.replicas must be at most {MAX_REPLICAS}, got {self.replicas!r}")
         for key in ("connect_timeout_s", "rpc_timeout_s"):
             seconds(getattr(self, key), f"mooncake.{key}", MIN_TIMEOUT_S)
+        seconds(self.transfer_timeout_s, "mooncake.transfer_timeout_s", 1.0)  # the client counts whole seconds
         for key in ("lookup_cache_s", "miss_cache_s", "lookup_coalesce_s", "lookup_deadline_s", "backoff_initial_s",
                     "backoff_max_s"):
             seconds(getattr(self, key), f"mooncake.{key}")

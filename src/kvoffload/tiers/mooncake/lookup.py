@@ -18,9 +18,15 @@ class MooncakeExistenceChecker(ExistenceChecker):
         if not backoff.available():
             self.results.extend((k, None) for k in keys)
             return
+        if not all(isinstance(k, bytes) for k in keys):  # absent, without failing the good keys beside it
+            self.results.extend((k, False) for k in keys if not isinstance(k, bytes))
+            keys = [k for k in keys if isinstance(k, bytes)]
+            if not keys:
+                return
+        rkeys = self._keyspace.redis_keys(keys)
         self.busy_since = time.monotonic()
         try:
-            answers = self._client.batch_is_exist(self._keyspace.redis_keys(keys))
+            answers = self._client.batch_is_exist(rkeys)
         except Exception as e:  # noqa: BLE001 - e.g. a closed client: unknown, not a crash
             self.warn("mooncake lookup error: %s", e)
             answers = [-1] * len(keys)

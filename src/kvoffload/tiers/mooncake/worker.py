@@ -40,7 +40,9 @@ in calls of 16; docs/BENCHMARKS.md).
 from __future__ import annotations
 
 import logging
+import math
 import threading
+import time
 from functools import partial
 
 from kvoffload.tiers.base import even_runs
@@ -90,6 +92,7 @@ class MooncakeTierWorker(RemoteTierWorker):
             raise RuntimeError(f"mooncake: cannot register the {pool.nbytes}-byte host pool (code {rc})")
         self._per_round = max(1, cfg.batch_bytes // max(1, pool.used_chunk_bytes))
         self._replicate = replicate_config(cfg)
+        self._transfer_timeout_s = math.ceil(cfg.transfer_timeout_s)  # as the client counts it (client.py)
         self._parts_lock = threading.Lock()
         self._loads_moving = 0  # load parts on the IO threads now (under _parts_lock)
         # two at least: a lone job's hashing that overlaps no transfer then runs on two cores
@@ -144,7 +147,7 @@ class MooncakeTierWorker(RemoteTierWorker):
             except Exception:  # noqa: BLE001 - a bug here must fail the job, not kill the thread
                 log.exception("mooncake load job %d failed", job.job_id)
                 codes = None
-            if codes is None:  # the master could not be asked (or a bug): the rest would fail too
+            if codes is None:  # the master or a store node could not be asked (or a bug): the rest would fail too
                 backoff.failed()
                 c.add("load_failures", len(slots) - i)
                 self._pieces_done(part, len(starts) - r, False)
@@ -243,7 +246,7 @@ class MooncakeTierWorker(RemoteTierWorker):
         for i in range(0, len(slots), n):
             part = slice(i, i + n)
             good = self._put(slots[part], spec.redis_keys[part])
-            if good is None:  # the master could not be asked: the rest would fail too
+            if good is None:  # the master or a store node could not be asked: the rest would fail too
                 backoff.failed()
                 c.add("store_failures", len(slots) - i)
                 return False
@@ -256,9 +259,10 @@ class MooncakeTierWorker(RemoteTierWorker):
         return [base + s * cb for s in slots]
 
     def _put(self, slots: list[int], keys: list[str]) -> bool | None:
+        t0 = time.monotonic()
         codes = self._client.batch_put_from(keys, self._pointers(slots), [self._value_bytes] * len(keys),
                                             self._replicate)
-        if any(network_failed(x) for x in codes):
+        if any(network_failed(x) for x in codes) or self._timed_out(codes, t0):
             return None
         n_ok = sum(x == 0 or x == OBJECT_ALREADY_EXISTS for x in codes)  # already there: another engine stored it
         c = self._state.counters
@@ -270,8 +274,14 @@ class MooncakeTierWorker(RemoteTierWorker):
 
     def _fetch(self, slots: list[int], keys: list[str]) -> list[int] | None:
         """One batched get of chunk + trailer per key into its slot; None: the master could not be asked."""
+        t0 = time.monotonic()
         codes = self._client.batch_get_into(keys, self._pointers(slots), [self._value_bytes] * len(keys))
-        return None if any(network_failed(x) for x in codes) else codes
+        return None if any(network_failed(x) for x in codes) or self._timed_out(codes, t0) else codes
+
+    def _timed_out(self, codes: list[int], t0: float) -> bool:
+        """A TRANSFER_FAIL that took the whole transfer timeout: a store node stopped answering, which
+        backs off like a master that cannot be asked. (A value of another size fails at once: not this.)"""
+        return TRANSFER_FAIL in codes and time.monotonic() - t0 >= 0.9 * self._transfer_timeout_s  # timer slack
 
     def _verify_round(self, slots: list[int], keys: list[str], offload_keys: list[bytes],
                       codes: list[int]) -> bool:
