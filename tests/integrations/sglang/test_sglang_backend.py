@@ -272,6 +272,7 @@ def test_unreachable_server_is_misses_not_a_hang(tmp_path):
 
 @pytest.mark.parametrize("section, match", [
     ({"type": "nfs"}, "kvoffload.type must be one of"),
+    ({"type": ["redis"]}, "kvoffload.type must be one of"),  # was TypeError: unhashable type: 'list'
     ({"type": "redis", "urll": "redis://x"}, "urll"),
     ({"type": "storage", "path": "/tmp/x", "capacity_bytes": "lots"}, "capacity_bytes"),
     ({"type": "redis", "staging_bytes": "-1"}, "staging_bytes"),
@@ -397,3 +398,100 @@ def test_storage_tier_pages_outlive_the_engine(tmp_path):
         assert [page_bytes(pool2, p) for p in (4, 5, 6, 7)] == want
     finally:
         second.close()
+
+
+def storage_section(tmp_path) -> dict:
+    return {"type": "storage", "path": str(tmp_path / "l3"), "capacity_bytes": "1MiB", "direct_io": False}
+
+
+def settled(backend) -> bool:
+    """No storage-tier block left pinned, no job result left uncollected."""
+    return backend.io.manager.get_stats().gauges["pinned_blocks"] == 0 and not backend.io._results
+
+
+def test_host_indices_of_a_wrong_dtype_or_device_are_refused_before_any_load(tmp_path):
+    backend, pool = make_backend(storage_section(tmp_path))
+    try:
+        pool.fill_random(3)
+        ks = keys(4, "dtype")
+        assert backend.batch_set_v1(ks, pages(0, 1, 2, 3)) == [True] * 4
+        for bad in (pages(4, 5, 6, 7).double(), pages(4, 5, 6, 7).to("meta"), pages(4, 5, 6, 7).bool()):
+            with pytest.raises(TypeError, match="host_indices must be an integer CPU tensor"):
+                backend.batch_get_v1(ks, bad)
+            with pytest.raises(TypeError, match="host_indices must be an integer CPU tensor"):
+                backend.batch_set_v1(keys(4, "dtype2"), bad)
+        assert settled(backend)  # the double ones used to fail in the copy, after the loads: 3 pins left
+        assert backend.batch_get_v1(ks, pages(4, 5, 6, 7)) == [True] * 4
+    finally:
+        backend.close()
+
+
+OUT_OF_POOL = """
+import sys, torch
+sys.path.insert(0, {here!r})
+from test_sglang_backend import keys, make_backend, pages, storage_section
+from pathlib import Path
+backend, pool = make_backend(storage_section(Path({tmp!r})))
+ks = keys(1, "edge")
+assert backend.batch_set_v1(ks, pages(0)) == [True]
+for idx in (torch.arange(10**6, 10**6 + 16), torch.arange(pool.size - 8, pool.size + 8), torch.arange(-16, 0)):
+    for call in (backend.batch_get_v1, backend.batch_set_v1):
+        try:
+            call(ks if call == backend.batch_get_v1 else keys(1, "edge2"), idx)
+        except ValueError as e:
+            assert "outside the host pool" in str(e), e
+        else:
+            raise AssertionError("not refused")
+assert backend.batch_get_v1(ks, pages(1)) == [True]
+backend.close()
+print("refused")
+"""
+
+
+def test_host_indices_outside_the_pool_are_refused_not_copied(tmp_path):
+    """(in a process of its own: the copy to or from an address past the pool was a SIGSEGV)"""
+    import subprocess
+    import sys
+
+    code = OUT_OF_POOL.format(here=os.path.dirname(__file__), tmp=str(tmp_path))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "refused" in out.stdout, (out.returncode, out.stderr[-3000:])
+
+
+def test_an_error_after_loads_started_still_ends_every_load(tmp_path, monkeypatch):
+    backend, pool = make_backend(storage_section(tmp_path))  # 8 KiB jobs: a job per page
+    try:
+        pool.fill_random(4)
+        ks = keys(4, "midway")
+        assert backend.batch_set_v1(ks, pages(0, 1, 2, 3)) == [True] * 4
+
+        def copy_fails(*a, **k):
+            raise RuntimeError("copy failed")
+
+        monkeypatch.setattr(backend._copier, "from_slots", copy_fails)
+        with pytest.raises(RuntimeError, match="copy failed"):
+            backend.batch_get_v1(ks, pages(4, 5, 6, 7))  # fails on the first page, 3 loads still started
+        assert settled(backend)  # they used to stay pinned, their results uncollected
+        monkeypatch.undo()
+        assert backend.batch_get_v1(ks, pages(4, 5, 6, 7)) == [True] * 4
+    finally:
+        backend.close()
+
+
+def test_close_during_a_load_stuck_on_a_paused_store_node_does_not_crash(prefix):
+    """SGLang's close() while its prefetch thread is stuck in the client: the client was closed under
+    the call (SIGSEGV). In a process of its own (tests/tiers/mooncake/mooncake_stuck_proc.py)."""
+    import sys
+    from pathlib import Path
+
+    from kvoffload.tiers.mooncake.server import LocalMooncake, find_binary
+
+    if find_binary("mooncake_master") is None:
+        pytest.skip("no mooncake_master binary")
+    sys.path.insert(0, str(Path(__file__).parents[2] / "tiers" / "mooncake"))
+    from mooncake_stuck_proc import run_stuck_shutdown
+
+    with LocalMooncake(store_bytes=64 << 20) as srv:
+        rc, out = run_stuck_shutdown(srv, prefix, "sglang")
+    assert rc == 0 and "survived\nload returned" in out, out
+    assert "the client is left open" in out

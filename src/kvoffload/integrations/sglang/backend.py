@@ -95,10 +95,24 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
             yield part, list(range(first, first + len(part)))
 
     def _check_indices(self, keys: List[str], host_indices: torch.Tensor) -> None:
-        # before any job starts: a bad call must not leave jobs half done
-        if host_indices.numel() != len(keys) * self.format.page_size:
-            raise ValueError(f"{len(keys)} keys need {len(keys) * self.format.page_size} host indices "
-                             f"({self.format.page_size} per page), got {host_indices.numel()}")
+        # before any job starts: a bad call must not leave jobs half done, and an index past the pool
+        # would have the copy memmove to or from an address outside it (a crash, or corrupt memory)
+        if not isinstance(host_indices, torch.Tensor):
+            raise TypeError(f"host_indices must be a tensor, got {type(host_indices).__name__}")
+        dt = host_indices.dtype
+        if dt.is_floating_point or dt.is_complex or dt == torch.bool or host_indices.device.type != "cpu":
+            raise TypeError(f"host_indices must be an integer CPU tensor, got {dt} on {host_indices.device}")
+        ps = self.format.page_size
+        if host_indices.numel() != len(keys) * ps:
+            raise ValueError(f"{len(keys)} keys need {len(keys) * ps} host indices "
+                             f"({ps} per page), got {host_indices.numel()}")
+        if not len(keys):
+            return
+        starts = host_indices.reshape(-1)[::ps]  # the pool reads a page's place from its first index
+        size = int(self.mem_pool_host.size)
+        lo, hi = int(starts.min()), int(starts.max())
+        if lo < 0 or hi + ps > size:
+            raise ValueError(f"host_indices: pages start at {lo}..{hi}, outside the host pool's {size} tokens")
 
     # -- lookups --------------------------------------------------------
     def exists(self, key: str) -> bool:
@@ -119,15 +133,21 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         with self._locks[0]:
             for rnd in self._rounds(len(keys)):
                 # every part in flight at once; copy each out as it lands, while later ones still load
-                jobs = [(part, slots, self.io.start_load(kb[part.start : part.stop], slots))
-                        for part, slots in self._parts(rnd, store=False)]
-                failed = []
-                for part, slots, job in jobs:
-                    if self.io.finish(job):
-                        self._copier.from_slots(host_indices, part, slots)
-                        results[part.start : part.stop] = [True] * len(part)
-                    else:
-                        failed.append((part, slots))
+                jobs = []
+                try:
+                    for part, slots in self._parts(rnd, store=False):
+                        jobs.append((part, slots, self.io.start_load(kb[part.start : part.stop], slots)))
+                    failed = []
+                    while jobs:
+                        part, slots, job = jobs.pop(0)
+                        if self.io.finish(job):
+                            self._copier.from_slots(host_indices, part, slots)
+                            results[part.start : part.stop] = [True] * len(part)
+                        else:
+                            failed.append((part, slots))
+                finally:  # on an error, every started job still ends: nothing stays pinned or uncollected
+                    for _, _, job in jobs:
+                        self.io.finish(job)
                 # a failed job says not which key failed: ask again one by one
                 for part, slots in failed:
                     for p, slot in zip(part, slots):
@@ -147,11 +167,13 @@ class KvoffloadHiCacheStorage(HiCacheStorage):
         with self._locks[1]:
             for rnd in self._rounds(len(keys)):
                 jobs = []
-                for part, slots in self._parts(rnd, store=True):  # copy a part while earlier ones store
-                    self._copier.to_slots(host_indices, part, slots)
-                    jobs.append((part, self.io.start_store(kb[part.start : part.stop], slots)))
-                for part, job in jobs:
-                    results[part.start : part.stop] = [self.io.finish(job)] * len(part)
+                try:
+                    for part, slots in self._parts(rnd, store=True):  # copy a part while earlier ones store
+                        self._copier.to_slots(host_indices, part, slots)
+                        jobs.append((part, self.io.start_store(kb[part.start : part.stop], slots)))
+                finally:  # on an error too: a started store left unfinished would answer HIT_PENDING for good
+                    for part, job in jobs:
+                        results[part.start : part.stop] = [self.io.finish(job)] * len(part)
         return results
 
     # -- generic calls: flat page tensors (get_data_page / dummy pages) --

@@ -60,7 +60,7 @@ class BackendConfig:
             raise ConfigError(f"extra_config.{SECTION} must be an object, got {type(section).__name__}")
         conf = dict(section)
         tier_type = conf.pop("type", default_type)
-        if tier_type not in TIER_CLASSES:
+        if not isinstance(tier_type, str) or tier_type not in TIER_CLASSES:  # a list is unhashable
             raise ConfigError(f"extra_config.{SECTION}.type must be one of {sorted(TIER_CLASSES)}, "
                               f"got {tier_type!r}")
         staging = parse_bytes(conf.pop("staging_bytes", DEFAULT_STAGING_BYTES), f"{SECTION}.staging_bytes")
