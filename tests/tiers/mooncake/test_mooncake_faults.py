@@ -65,6 +65,15 @@ def test_dead_metadata_server_at_start_is_one_clear_line(mooncake):
     assert "\n" not in str(e.value)
 
 
+def test_dead_etcd_metadata_server_at_start_is_one_quick_line(mooncake):
+    url = f"etcd://127.0.0.1:{free_port()}"
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=f"metadata server {url} unreachable") as e:
+        MooncakeTier({"master_address": mooncake.master_address, "metadata_server": url}, _ns())
+    assert "\n" not in str(e.value)
+    assert time.monotonic() - t0 < 20  # generous: the client's own retries took 30 s
+
+
 @pytest.mark.parametrize("conf, match", [
     ({"master_address": "127.0.0.1"}, "mooncake.master_address must be 'host:port'"),
     ({"master_address": "127.0.0.1:0"}, "port in 1..65535"),

@@ -44,6 +44,17 @@ def _reachable(host: str, port: int, timeout_s: float) -> str | None:
         return e.strerror or type(e).__name__
 
 
+def _etcd_endpoints(url: str) -> list[tuple[str, int]]:
+    """(host, port) of each endpoint of etcd://H:P[;H:P...]; [] for a form not read here (the client checks it)."""
+    out = []
+    for ep in url[len("etcd://"):].replace(",", ";").split(";"):
+        host, _, port = ep.strip().rstrip("/").rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            return []
+        out.append((host.strip("[]"), int(port)))
+    return out
+
+
 def open_store(cfg: MooncakeConfig):
     """A set-up MooncakeDistributedStore, or ConfigError (one line) naming
     what could not be reached: unlike a Redis URL, the client cannot be
@@ -67,6 +78,12 @@ def open_store(cfg: MooncakeConfig):
         if why:
             raise ConfigError(f"mooncake tier: metadata server {cfg.metadata_server} unreachable ({why}); "
                               f"check mooncake.metadata_server (mooncake_master -enable_http_metadata_server)")
+    if cfg.metadata_server.startswith("etcd://"):  # the client would retry a dead etcd for 30 s
+        endpoints = _etcd_endpoints(cfg.metadata_server)
+        whys = [_reachable(h, p, cfg.connect_timeout_s) for h, p in endpoints]
+        if endpoints and all(whys):
+            raise ConfigError(f"mooncake tier: metadata server {cfg.metadata_server} unreachable ({whys[0]}); "
+                              f"check mooncake.metadata_server and that etcd runs")
     os.environ["MC_RPC_TIMEOUT_MS"] = str(max(1, int(cfg.rpc_timeout_s * 1000)))
     os.environ["MC_RPC_CONNECT_TIMEOUT_MS"] = str(max(1, int(cfg.connect_timeout_s * 1000)))
     # a transfer to a store node that stopped answering fails after this long without progress
