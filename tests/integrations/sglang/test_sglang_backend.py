@@ -495,3 +495,30 @@ def test_close_during_a_load_stuck_on_a_paused_store_node_does_not_crash(prefix)
         rc, out = run_stuck_shutdown(srv, prefix, "sglang")
     assert rc == 0 and "survived\nload returned" in out, out
     assert "the client is left open" in out
+
+
+def test_a_paused_store_node_is_misses_within_the_transfer_timeout(prefix):
+    import time
+
+    from kvoffload.tiers.mooncake.server import LocalMooncake, find_binary
+    from kvoffload.tiers.remote.server import pause, resume
+
+    if find_binary("mooncake_master") is None:
+        pytest.skip("no mooncake_master binary")
+    with LocalMooncake(store_bytes=64 << 20) as srv:
+        section = {"type": "mooncake", **srv.tier_config(key_prefix=prefix, segment_bytes=0, transfer_timeout_s=1.0,
+                                                          **PATIENT)}
+        backend, pool = make_backend(section, job="64KiB")
+        try:
+            pool.fill_random(5)
+            ks = keys(8, "paused-node")
+            assert backend.batch_set_v1(ks, pages(*range(8))) == [True] * 8
+            pause(srv.node)
+            try:
+                t0 = time.monotonic()
+                assert backend.batch_get_v1(ks, pages(*range(8, 16))) == [False] * 8
+                assert time.monotonic() - t0 < 30  # generous: was 60 s, Mooncake's own transfer timeout
+            finally:
+                resume(srv.node)
+        finally:
+            backend.close()
