@@ -38,6 +38,17 @@ def positive_int(value: Any, key: str) -> int:
     return value
 
 
+MAX_IO_THREADS = 256  # per tier: more only exhausts the process's thread limit (10,000 were started)
+
+
+def thread_count(value: Any, key: str) -> int:
+    """A tier's IO thread count: 1 .. MAX_IO_THREADS."""
+    positive_int(value, key)
+    if value > MAX_IO_THREADS:
+        raise ConfigError(f"{key} must be at most {MAX_IO_THREADS}, got {value!r}")
+    return value
+
+
 def true_or_false(value: Any, key: str, default: bool) -> bool:
     """A boolean key: true or false only (bool("false") is True); null is the default."""
     if value is None:

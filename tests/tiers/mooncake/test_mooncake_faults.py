@@ -98,6 +98,7 @@ def test_dead_etcd_metadata_server_at_start_is_one_quick_line(mooncake):
     ({"metadata_server": "redis://127.0.0.1:6379"}, r"mooncake\.metadata_server must be an http://, https://"),
     ({"replicas": 2**64}, r"mooncake\.replicas must be at most 64"),  # was a TypeError from the client
     ({"replicas": 2**40}, r"mooncake\.replicas must be at most 64"),  # was accepted; every store then failed
+    ({"io_threads": 10_000}, r"mooncake\.io_threads must be at most 256"),  # was started: 10,000 threads
     ({"transfer_timeout_s": 0.5}, r"mooncake\.transfer_timeout_s must be at least 1"),
     ({"backoff_max_s": float("inf")}, r"mooncake\.backoff_max_s must be at most"),
 ])

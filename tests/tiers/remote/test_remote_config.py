@@ -16,6 +16,7 @@ from kvoffload.tiers.remote.connection import Backoff
     ({"socket_timeout_s": 0}, "remote.socket_timeout_s"),
     ({"connect_timeout_s": "1"}, "remote.connect_timeout_s"),
     ({"io_threads": 0}, "remote.io_threads"),
+    ({"io_threads": 10_000}, "remote.io_threads must be at most 256"),  # was started: 10,000 threads
     ({"ttl_s": -1}, "remote.ttl_s"),
     ({"cluster": "yes"}, "remote.cluster"),
     ({"key_prefix": "a b"}, "remote.key_prefix"),

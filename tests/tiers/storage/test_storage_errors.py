@@ -193,3 +193,14 @@ def test_nul_byte_in_path_is_a_config_error(tmp_path):
     ctx = TierContext(0, "storage", NS, CHUNK, False)
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(storage\)\.path: contains a NUL byte"):
         StorageTier.from_config({"path": f"{tmp_path}/a\0b", "capacity_bytes": "1MiB"}, ctx)
+
+
+@pytest.mark.parametrize("threads", [0, 10_000])
+def test_io_threads_out_of_range_is_named_before_anything_is_opened(tmp_path, threads):
+    from kvoffload.config import ConfigError
+    from kvoffload.tiering import TierContext
+
+    ctx = TierContext(0, "storage", NS, CHUNK, False)
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(storage\)\.io_threads") as e:
+        StorageTier.from_config({"path": str(tmp_path / "s"), "capacity_bytes": "1MiB", "io_threads": threads}, ctx)
+    assert "\n" not in str(e.value) and not (tmp_path / "s").exists()

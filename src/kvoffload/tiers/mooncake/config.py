@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 from urllib.parse import parse_qsl, urlsplit
 
-from kvoffload.config import MIN_TIMEOUT_S, ConfigError, check_known_keys, parse_bytes, positive_int, seconds
+from kvoffload.config import (MIN_TIMEOUT_S, ConfigError, check_known_keys, parse_bytes, positive_int, seconds,
+                              thread_count)
 from kvoffload.tiers.remote.config import RemoteConfig
 
 # what the installed client has metadata plugins for: any other scheme aborts the process in set-up
@@ -89,8 +90,9 @@ class MooncakeConfig:
                               f"got {self.key_prefix!r}")
         if not isinstance(self.segment_bytes, int) or isinstance(self.segment_bytes, bool) or self.segment_bytes < 0:
             raise ConfigError(f"mooncake.segment_bytes must be a size >= 0, got {self.segment_bytes!r}")
-        for key in ("local_buffer_bytes", "replicas", "io_threads", "batch_bytes", "max_queue_bytes"):
+        for key in ("local_buffer_bytes", "replicas", "batch_bytes", "max_queue_bytes"):
             positive_int(getattr(self, key), f"mooncake.{key}")
+        thread_count(self.io_threads, "mooncake.io_threads")
         if self.replicas > MAX_REPLICAS:
             raise ConfigError(f"mooncake.replicas must be at most {MAX_REPLICAS}, got {self.replicas!r}")
         for key in ("connect_timeout_s", "rpc_timeout_s"):

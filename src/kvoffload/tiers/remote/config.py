@@ -12,7 +12,8 @@ from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 from urllib.parse import urlsplit
 
-from kvoffload.config import MIN_TIMEOUT_S, ConfigError, check_known_keys, parse_bytes, positive_int, seconds
+from kvoffload.config import (MIN_TIMEOUT_S, ConfigError, check_known_keys, parse_bytes, positive_int, seconds,
+                              thread_count)
 from kvoffload.redact import MASK, redact_url
 
 SCHEMES = ("redis", "rediss", "unix", "valkey", "valkeys")
@@ -89,7 +90,7 @@ class RemoteConfig:
             if self.ttl_s > MAX_TTL_S:  # every store would fail ("invalid expire time"), counted, unlogged
                 raise ConfigError(f"remote.ttl_s must be at most {MAX_TTL_S} (10 years), got {self.ttl_s}; "
                                   f"leave it unset for no expiry")
-        positive_int(self.io_threads, "remote.io_threads")
+        thread_count(self.io_threads, "remote.io_threads")
         positive_int(self.batch_bytes, "remote.batch_bytes")
         positive_int(self.max_queue_bytes, "remote.max_queue_bytes")
         if self.backoff_max_s < self.backoff_initial_s:

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from kvoffload.abstractions import Locality, Medium
-from kvoffload.config import ConfigError, check_known_keys, parse_bytes, positive_int
+from kvoffload.config import ConfigError, check_known_keys, parse_bytes, positive_int, thread_count
 from kvoffload.policies import get_policy_class
 from kvoffload.tiers.base import Namespace, SecondaryTier
 from kvoffload.tiers.host_pool import HostPool
@@ -69,7 +69,7 @@ class StorageTier(SecondaryTier):
             namespace=ctx.namespace,
             eviction_policy=policy,
             num_files=positive_int(conf.get("num_files", 4), f"{where}.num_files"),
-            io_threads=positive_int(conf.get("io_threads", 4), f"{where}.io_threads"),
+            io_threads=thread_count(conf.get("io_threads", 4), f"{where}.io_threads"),
             direct_io=direct_io,
             enable_events=ctx.enable_events,
             name=ctx.name,
