@@ -54,6 +54,9 @@ COUNTERS = {
     "load_failures": "Blocks a load failed to read (network or server error, missing or corrupt)",
     "load_misses": "Blocks a load found gone from the store (evicted or expired)",
     "reconnects": "Reconnections to the store after an outage",
+    "wrong_key_values": "Values found under another key's name (copied or foreign): deleted, a miss",
+    "wrong_type_keys": "Keys holding another Redis type (list, hash, ...): deleted, a miss",
+    "mac_failures": "Values whose MAC did not verify (another key, or tampered with): deleted, a miss",
     # storage
     "index_bad_records": "Records of the storage index found bad at start-up (their blocks are dropped)",
 }
