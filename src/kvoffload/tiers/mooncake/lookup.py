@@ -18,12 +18,9 @@ class MooncakeExistenceChecker(ExistenceChecker):
         if not backoff.available():
             self.results.extend((k, None) for k in keys)
             return
-        if not all(isinstance(k, bytes) for k in keys):  # absent, without failing the good keys beside it
-            self.results.extend((k, False) for k in keys if not isinstance(k, bytes))
-            keys = [k for k in keys if isinstance(k, bytes)]
-            if not keys:
-                return
-        rkeys = self._keyspace.redis_keys(keys)
+        keys, rkeys = self._server_keys(keys)
+        if not keys:
+            return
         self.busy_since = time.monotonic()
         try:
             answers = self._client.batch_is_exist(rkeys)

@@ -106,17 +106,22 @@ class ExistenceChecker:
         self._warned_at, self._unwarned = now, 0
         log.warning(msg, *args)
 
+    def _server_keys(self, keys: list[bytes]) -> tuple[list[bytes], list[bytes]]:
+        """(keys, their server keys), less any key that is not bytes: that one
+        is answered absent, and the good keys beside it are still asked."""
+        try:
+            return keys, self._keyspace.redis_keys(keys)
+        except (AttributeError, TypeError):
+            self.results.extend((k, False) for k in keys if not isinstance(k, bytes))
+            good = [k for k in keys if isinstance(k, bytes)]
+            return good, self._keyspace.redis_keys(good)
+
     def _check(self, keys: list[bytes]) -> None:
         backoff = self._state.backoff
         if not backoff.available():
             self.results.extend((k, None) for k in keys)
             return
-        try:
-            rkeys = self._keyspace.redis_keys(keys)
-        except (AttributeError, TypeError):  # a key that is not bytes: absent, and the thread lives on
-            good = [k for k in keys if isinstance(k, bytes)]
-            self.results.extend((k, False) for k in keys if not isinstance(k, bytes))
-            keys, rkeys = good, self._keyspace.redis_keys(good)
+        keys, rkeys = self._server_keys(keys)
         self.busy_since = time.monotonic()
         try:
             pipe = self._client.pipeline(transaction=False)
