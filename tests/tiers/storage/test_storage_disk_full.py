@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from kvoffload.abstractions import LookupResult
-from storage_helpers import CHUNK, CTX, expected, key, load
+from storage_helpers import CTX, expected, key, load
 
 RECORD = 128
 HERE = os.path.dirname(__file__)
