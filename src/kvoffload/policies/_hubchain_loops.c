@@ -1,0 +1,689 @@
+/* kvoffload.policies._hubchain_loops: hubchain's hot loops over its orders, in C.
+
+   The C twin of hubchain_loops.py (read that file first: it says what each
+   function does, and its functions are the reference). An order is an
+   OrderedDict of key -> last use. These make the same calls on the same
+   OrderedDicts in the same order as the Python (od[k] = v, del od[k],
+   od.move_to_end(k), iteration from the oldest), so both leave the same
+   state and return the same values; the saving is the interpreter's loop,
+   not a different structure. tests/policies/test_hubchain_loops.py compares
+   them on random operations. */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+
+static PyObject *str_move_to_end;
+
+static int move_to_end(PyObject *od, PyObject *k) {
+    PyObject *args[2] = {od, k};
+    PyObject *r = PyObject_VectorcallMethod(str_move_to_end, args, 2, NULL);
+    if (r == NULL)
+        return -1;
+    Py_DECREF(r);
+    return 0;
+}
+
+static int contains(PyObject *container, PyObject *k) {
+    if (PyDict_Check(container))
+        return PyDict_Contains(container, k);
+    if (PyAnySet_Check(container))
+        return PySet_Contains(container, k);
+    return PySequence_Contains(container, k);
+}
+
+/* od.pop(k, None) is not None: 1 popped, 0 absent, -1 error (values are never None here) */
+static int pop(PyObject *od, PyObject *k) {
+    PyObject *v = PyDict_GetItemWithError(od, k);
+    if (v == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    return PyObject_DelItem(od, k) < 0 ? -1 : 1;
+}
+
+/* k not in own and k not in held and (can_evict is None or can_evict(k)) */
+static int may_go(PyObject *k, PyObject *own, PyObject *held, PyObject *can_evict) {
+    int r = contains(own, k);
+    if (r)
+        return r < 0 ? -1 : 0;
+    r = contains(held, k);
+    if (r)
+        return r < 0 ? -1 : 0;
+    if (can_evict == Py_None)
+        return 1;
+    PyObject *res = PyObject_CallOneArg(can_evict, k);
+    if (res == NULL)
+        return -1;
+    r = PyObject_IsTrue(res);
+    Py_DECREF(res);
+    return r;
+}
+
+/* int(x) for a finite x, clamped far beyond any size (the callers only subtract it from a size) */
+static Py_ssize_t to_size(double x) {
+    double lim = (double)(PY_SSIZE_T_MAX / 4);
+    return (Py_ssize_t)(x > lim ? lim : x < -lim ? -lim : x);
+}
+
+static int check_args(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
+    if (nargs != want) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
+        return -1;
+    }
+    return 0;
+}
+
+/* stamp(od, keys, now) */
+static PyObject *stamp(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 3, "stamp") < 0)
+        return NULL;
+    PyObject *od = args[0], *now = args[2];
+    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence");
+    if (keys == NULL)
+        return NULL;
+    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(keys) - 1; i >= 0; i--) {
+        if (PyObject_SetItem(od, PySequence_Fast_GET_ITEM(keys, i), now) < 0) {
+            Py_DECREF(keys);
+            return NULL;
+        }
+    }
+    Py_DECREF(keys);
+    Py_RETURN_NONE;
+}
+
+static int renew_keys(PyObject *od, PyObject *keys, PyObject *now, int all) {
+    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(keys) - 1; i >= 0; i--) {
+        PyObject *k = PySequence_Fast_GET_ITEM(keys, i);
+        if (!all) {
+            int r = PyDict_Contains(od, k);
+            if (r < 0)
+                return -1;
+            if (!r)
+                continue;
+        }
+        if (PyObject_SetItem(od, k, now) < 0 || move_to_end(od, k) < 0)
+            return -1;
+    }
+    return 0;
+}
+
+/* renew(od, keys, now) */
+static PyObject *renew(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 3, "renew") < 0)
+        return NULL;
+    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence");
+    if (keys == NULL)
+        return NULL;
+    int r = renew_keys(args[0], keys, args[2], 0);
+    Py_DECREF(keys);
+    if (r < 0)
+        return NULL;
+    Py_RETURN_NONE;
+}
+
+/* renew_all(od, keys, now) -> bool */
+static PyObject *renew_all(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 3, "renew_all") < 0)
+        return NULL;
+    PyObject *od = args[0];
+    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence");
+    if (keys == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        int r = PyDict_Contains(od, PySequence_Fast_GET_ITEM(keys, i));
+        if (r <= 0) {
+            Py_DECREF(keys);
+            if (r < 0)
+                return NULL;
+            Py_RETURN_FALSE;
+        }
+    }
+    int r = renew_keys(od, keys, args[2], 1);
+    Py_DECREF(keys);
+    if (r < 0)
+        return NULL;
+    Py_RETURN_TRUE;
+}
+
+/* touch(keys, order, loose, heads, hubbed, used, now) */
+static PyObject *touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 7, "touch") < 0)
+        return NULL;
+    PyObject *order = args[1], *loose = args[2], *heads = args[3], *hubbed = args[4];
+    PyObject *used = args[5], *now = args[6];
+    PyObject *keys = PySequence_Fast(args[0], "keys must be a sequence");
+    if (keys == NULL)
+        return NULL;
+    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(keys) - 1; i >= 0; i--) {
+        PyObject *k = PySequence_Fast_GET_ITEM(keys, i);
+        int r;
+        if ((r = PyDict_Contains(order, k)) != 0) {
+            if (r < 0 || PyObject_SetItem(order, k, used) < 0 || move_to_end(order, k) < 0)
+                goto fail;
+        } else if ((r = PyDict_Contains(loose, k)) != 0) {
+            if (r < 0 || PyObject_DelItem(loose, k) < 0 || PyObject_SetItem(order, k, used) < 0)
+                goto fail;
+        } else if ((r = PyDict_Contains(heads, k)) != 0) {
+            if (r < 0 || PyObject_SetItem(heads, k, now) < 0 || move_to_end(heads, k) < 0)
+                goto fail;
+        } else if ((r = PyDict_Contains(hubbed, k)) != 0) {
+            if (r < 0 || PyObject_DelItem(hubbed, k) < 0 || PyObject_SetItem(order, k, used) < 0)
+                goto fail;
+        }
+    }
+    Py_DECREF(keys);
+    Py_RETURN_NONE;
+fail:
+    Py_DECREF(keys);
+    return NULL;
+}
+
+/* drop(victims, order, loose, hubbed, heads, b1, b2, hub_ghosts, recent) -> list | None */
+static PyObject *drop(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 9, "drop") < 0)
+        return NULL;
+    PyObject *order = args[1], *loose = args[2], *hubbed = args[3], *heads = args[4];
+    PyObject *b1 = args[5], *b2 = args[6], *hub_ghosts = args[7], *recent = args[8];
+    PyObject *branch = NULL;
+    PyObject *victims = PySequence_Fast(args[0], "victims must be a sequence");
+    if (victims == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(victims);
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *k = PySequence_Fast_GET_ITEM(victims, i);
+        int r;
+        if ((r = pop(order, k)) != 0) {
+            if (r < 0 || PyObject_SetItem(b2, k, Py_None) < 0)
+                goto fail;
+        } else if ((r = pop(loose, k)) != 0) {
+            if (r < 0 || PyObject_SetItem(b1, k, Py_None) < 0)
+                goto fail;
+        } else if ((r = pop(hubbed, k)) != 0) {
+            if (r < 0 || PyObject_SetItem(b1, k, Py_None) < 0 || PyObject_SetItem(hub_ghosts, k, Py_None) < 0)
+                goto fail;
+            if (branch == NULL && (branch = PyList_New(0)) == NULL)
+                goto fail;
+            if (PyList_Append(branch, k) < 0)
+                goto fail;
+        } else {
+            if (PyObject_DelItem(heads, k) < 0 || PyObject_SetItem(b2, k, Py_None) < 0)
+                goto fail;
+        }
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (PyObject_SetItem(recent, PySequence_Fast_GET_ITEM(victims, i), Py_None) < 0)
+            goto fail;
+    Py_DECREF(victims);
+    if (branch == NULL)
+        Py_RETURN_NONE;
+    return branch;
+fail:
+    Py_DECREF(victims);
+    Py_XDECREF(branch);
+    return NULL;
+}
+
+/* ---- merge ---------------------------------------------------------------- */
+
+/* One order walked from its oldest: its iterator, the current key (owned)
+   and that key's last use. */
+typedef struct {
+    PyObject *od, *it, *key;
+    double last;
+} Walk;
+
+/* The walk's next key: 1, 0 at the end, -1 on error. */
+static int walk_next(Walk *w) {
+    Py_CLEAR(w->key);
+    PyObject *k = PyIter_Next(w->it);
+    if (k == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    PyObject *v = PyDict_GetItemWithError(w->od, k);
+    if (v == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetObject(PyExc_KeyError, k);
+        Py_DECREF(k);
+        return -1;
+    }
+    double d = PyFloat_AsDouble(v);  /* (an int converts exactly below 2**53: clocks do) */
+    if (d == -1.0 && PyErr_Occurred()) {
+        Py_DECREF(k);
+        return -1;
+    }
+    w->key = k;
+    w->last = d;
+    return 1;
+}
+
+/* Append victims while may_go; the caller's loops decide when to stop. -1 on error. */
+static int offer(PyObject *victims, PyObject *k, PyObject *own, PyObject *held, PyObject *can_evict) {
+    int g = may_go(k, own, held, can_evict);
+    if (g <= 0)
+        return g;
+    return PyList_Append(victims, k) < 0 ? -1 : 1;
+}
+
+static PyObject *merge_rest(Py_ssize_t n, PyObject *const *ods, double p, double threshold,
+                            const double *offset, PyObject *own, PyObject *held, PyObject *can_evict) {
+    Walk w[4] = {{0}};
+    int alive[4] = {0, 0, 0, 0};
+    double eff[4];
+    Py_ssize_t need = n;
+    PyObject *victims = PyList_New(0);
+    if (victims == NULL)
+        return NULL;
+    for (int i = 0; i < 4; i++) {
+        w[i].od = ods[i];
+        if ((w[i].it = PyObject_GetIter(ods[i])) == NULL)
+            goto fail;
+    }
+    Py_ssize_t size = PyObject_Length(ods[0]);
+    if (size < 0)
+        goto fail;
+    Py_ssize_t over = size - to_size(p);
+    if (over > 0) {  /* the loose order over its target: its oldest first */
+        Py_ssize_t first = n < over ? n : over;
+        for (;;) {
+            int r = walk_next(&w[0]);
+            if (r < 0)
+                goto fail;
+            if (r == 0)
+                break;
+            if ((r = offer(victims, w[0].key, own, held, can_evict)) < 0)
+                goto fail;
+            if (r && PyList_GET_SIZE(victims) == first)
+                break;
+        }
+        need = n - PyList_GET_SIZE(victims);
+        if (!need)
+            goto done;
+    }
+    int left = 0;
+    for (int i = 0; i < 4; i++) {
+        int r = walk_next(&w[i]);
+        if (r < 0)
+            goto fail;
+        alive[i] = r;
+    }
+    if (alive[1] && w[1].last >= threshold)
+        alive[1] = 0;  /* chain's order is shielded from its first block */
+    for (int i = 0; i < 4; i++) {
+        eff[i] = alive[i] ? w[i].last + offset[i] : INFINITY;
+        left += alive[i];
+    }
+    while (left > 1 && need) {
+        int i = 0, j = 0;
+        for (int x = 1; x < 4; x++)
+            if (eff[x] < eff[i])
+                i = x;  /* the oldest of the four (a tie to the lower order) */
+        eff[i] = INFINITY;
+        j = i == 0 ? 1 : 0;
+        for (int x = 0; x < 4; x++)
+            if (eff[x] < eff[j])
+                j = x;
+        double bound = eff[j];
+        for (;;) {  /* a run of walk i */
+            int r = offer(victims, w[i].key, own, held, can_evict);
+            if (r < 0)
+                goto fail;
+            if (r && !--need)
+                goto done;
+            if ((r = walk_next(&w[i])) < 0)
+                goto fail;
+            if (r == 0 || (i == 1 && w[i].last >= threshold)) {
+                alive[i] = 0;
+                left--;
+                break;
+            }
+            double e = w[i].last + offset[i];
+            if (e < bound || (e == bound && i < j))
+                continue;
+            eff[i] = e;
+            break;
+        }
+    }
+    if (left == 1 && need) {  /* one order left: a plain walk */
+        int i = 0;
+        while (!alive[i])
+            i++;
+        for (;;) {
+            if (i == 1 && w[i].last >= threshold)
+                break;
+            int r = offer(victims, w[i].key, own, held, can_evict);
+            if (r < 0)
+                goto fail;
+            if (r && !--need)
+                break;
+            if ((r = walk_next(&w[i])) < 0)
+                goto fail;
+            if (r == 0)
+                break;
+        }
+    }
+done:
+    for (int i = 0; i < 4; i++) {
+        Py_XDECREF(w[i].it);
+        Py_XDECREF(w[i].key);
+    }
+    return victims;
+fail:
+    for (int i = 0; i < 4; i++) {
+        Py_XDECREF(w[i].it);
+        Py_XDECREF(w[i].key);
+    }
+    Py_DECREF(victims);
+    return NULL;
+}
+
+/* merge(n, loose, order, hubbed, heads, p, q, threshold, hub_off, head_off, own, held, can_evict) */
+static PyObject *merge(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 13, "merge") < 0)
+        return NULL;
+    Py_ssize_t n = PyLong_AsSsize_t(args[0]);
+    if (n == -1 && PyErr_Occurred())
+        return NULL;
+    PyObject *const *ods = args + 1;  /* loose, order, hubbed, heads */
+    double v[5];
+    for (int x = 0; x < 5; x++) {
+        v[x] = PyFloat_AsDouble(args[5 + x]);
+        if (v[x] == -1.0 && PyErr_Occurred())
+            return NULL;
+    }
+    double p = v[0], q = v[1], threshold = v[2];
+    double offset[4] = {0.0, 0.0, v[3], v[4]};
+    PyObject *own = args[10], *held = args[11], *can_evict = args[12], *hubbed = ods[2];
+    if (!isfinite(p) || !isfinite(q)) {
+        PyErr_SetString(PyExc_ValueError, "merge: p and q must be finite");
+        return NULL;
+    }
+    Py_ssize_t size = PyObject_Length(hubbed);
+    if (size < 0)
+        return NULL;
+    Py_ssize_t over = size - to_size(q);
+    if (over <= 0)
+        return merge_rest(n, ods, p, threshold, offset, own, held, can_evict);
+    Py_ssize_t first = n < over ? n : over;
+    PyObject *victims = PyList_New(0), *taken = NULL, *more = NULL;
+    PyObject *it = PyObject_GetIter(hubbed), *k;
+    if (victims == NULL || it == NULL)
+        goto fail;
+    while ((k = PyIter_Next(it)) != NULL) {  /* the hub branch order over its target: its oldest first */
+        int r = offer(victims, k, own, held, can_evict);
+        Py_DECREF(k);
+        if (r < 0)
+            goto fail;
+        if (r && PyList_GET_SIZE(victims) == first)
+            break;
+    }
+    if (PyErr_Occurred())
+        goto fail;
+    Py_CLEAR(it);
+    if (PyList_GET_SIZE(victims) < n) {  /* the rest's pick may name these again: ask for that many more */
+        if ((taken = PySet_New(victims)) == NULL)
+            goto fail;
+        if ((more = merge_rest(n, ods, p, threshold, offset, own, held, can_evict)) == NULL)
+            goto fail;
+        Py_ssize_t room = n - PyList_GET_SIZE(victims);
+        for (Py_ssize_t x = 0; x < PyList_GET_SIZE(more) && room > 0; x++) {
+            PyObject *mk = PyList_GET_ITEM(more, x);
+            int r = PySet_Contains(taken, mk);
+            if (r < 0)
+                goto fail;
+            if (!r) {
+                if (PyList_Append(victims, mk) < 0)
+                    goto fail;
+                room--;
+            }
+        }
+        Py_DECREF(taken);
+        Py_DECREF(more);
+    }
+    return victims;
+fail:
+    Py_XDECREF(it);
+    Py_XDECREF(taken);
+    Py_XDECREF(more);
+    Py_XDECREF(victims);
+    return NULL;
+}
+
+/* ---- the learning ---------------------------------------------------------- */
+
+static PyObject *str_popitem;
+
+/* shadow's work on keys[0..m): adds to *ours, *lru */
+static int shadow_keys(PyObject *sim, PyObject **keys, Py_ssize_t m, int hit, Py_ssize_t cap, int counting,
+                       long long *ours, long long *lru) {
+    if (counting) {
+        Py_ssize_t found = 0;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            int r = PyDict_Contains(sim, keys[i]);
+            if (r < 0)
+                return -1;
+            found += r;
+        }
+        if (hit)
+            *ours += m - found;
+        else
+            *lru += found;
+    }
+    for (Py_ssize_t i = 0; i < m; i++)
+        if (pop(sim, keys[i]) < 0)
+            return -1;
+    for (Py_ssize_t i = m - 1; i >= 0; i--)
+        if (PyObject_SetItem(sim, keys[i], Py_None) < 0)
+            return -1;
+    Py_ssize_t size = PyObject_Length(sim);
+    if (size < 0)
+        return -1;
+    for (Py_ssize_t over = size - cap; over > 0; over--) {
+        PyObject *a[2] = {sim, Py_False};
+        PyObject *r = PyObject_VectorcallMethod(str_popitem, a, 2, NULL);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+    }
+    return 0;
+}
+
+/* shadow(sim, keys, hit, cap, counting) -> (ours, lru) */
+static PyObject *shadow(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 5, "shadow") < 0)
+        return NULL;
+    int hit = PyObject_IsTrue(args[2]), counting = PyObject_IsTrue(args[4]);
+    Py_ssize_t cap = PyLong_AsSsize_t(args[3]);
+    if (hit < 0 || counting < 0 || (cap == -1 && PyErr_Occurred()))
+        return NULL;
+    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence");
+    if (keys == NULL)
+        return NULL;
+    long long ours = 0, lru = 0;
+    int r = shadow_keys(args[0], PySequence_Fast_ITEMS(keys), PySequence_Fast_GET_SIZE(keys), hit, cap, counting,
+                        &ours, &lru);
+    Py_DECREF(keys);
+    if (r < 0)
+        return NULL;
+    return Py_BuildValue("(LL)", ours, lru);
+}
+
+/* list[i] += delta (ints) */
+static int add_int(PyObject *list, Py_ssize_t i, long long delta) {
+    if (!PyList_Check(list) || i < 0 || i >= PyList_GET_SIZE(list)) {
+        PyErr_SetString(PyExc_IndexError, "follow: counter index out of range");
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(PyList_GET_ITEM(list, i));
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    PyObject *o = PyLong_FromLongLong(v + delta);
+    return o == NULL ? -1 : PyList_SetItem(list, i, o);
+}
+
+/* list[i] += w (floats: the same double addition as Python's) */
+static int add_float(PyObject *list, Py_ssize_t i, double w) {
+    if (!PyList_Check(list) || i < 0 || i >= PyList_GET_SIZE(list)) {
+        PyErr_SetString(PyExc_IndexError, "follow: histogram index out of range");
+        return -1;
+    }
+    double v = PyFloat_AsDouble(PyList_GET_ITEM(list, i));
+    if (v == -1.0 && PyErr_Occurred())
+        return -1;
+    PyObject *o = PyFloat_FromDouble(v + w);
+    return o == NULL ? -1 : PyList_SetItem(list, i, o);
+}
+
+/* follow(keys, cls, hit, now, low, k, s, episodes, live, dist, met, sim, sim_cap, counting, bin_of)
+   -> (started, ours, lru), or NotImplemented when a key is not bytes of the first key's length (5 or more):
+   the Python twin then does it (its hash bytes differ there). */
+static PyObject *follow(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 15, "follow") < 0)
+        return NULL;
+    long cls = PyLong_AsLong(args[1]), low = PyLong_AsLong(args[4]), k = PyLong_AsLong(args[5]);
+    long s = PyLong_AsLong(args[6]);
+    long long now = PyLong_AsLongLong(args[3]);
+    Py_ssize_t sim_cap = PyLong_AsSsize_t(args[12]);
+    if (PyErr_Occurred())
+        return NULL;
+    int hit = PyObject_IsTrue(args[2]), counting = PyObject_IsTrue(args[13]);
+    if (hit < 0 || counting < 0)
+        return NULL;
+    PyObject *episodes = args[7], *live = args[8], *dist = args[9], *met = args[10], *sim = args[11];
+    PyObject *bin_of = args[14];
+    if (cls < 0 || cls > 1 || low < 0 || low > 8 || k < low || k > 8 || s < 0 || s > 8 || !PyDict_Check(episodes)
+        || !PyTuple_Check(dist) || PyTuple_GET_SIZE(dist) != 2 || !PyBytes_Check(bin_of) || PyBytes_GET_SIZE(bin_of) < 1) {
+        PyErr_SetString(PyExc_ValueError, "follow: bad arguments");
+        return NULL;
+    }
+    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **keys = PySequence_Fast_ITEMS(seq);
+    PyObject **pick = NULL;
+    unsigned char *hb = NULL;
+    long long *ended = NULL, ours = 0, lru = 0, started = 0;
+    if (n == 0) {
+        Py_DECREF(seq);
+        return Py_BuildValue("(iii)", 0, 0, 0);
+    }
+    Py_ssize_t size = PyBytes_Check(keys[0]) ? PyBytes_GET_SIZE(keys[0]) : 0;
+    if (size < 5)
+        goto python;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyBytes_Check(keys[i]) || PyBytes_GET_SIZE(keys[i]) != size)
+            goto python;
+    hb = PyMem_Malloc(n);
+    pick = PyMem_Malloc(n * sizeof(PyObject *));
+    ended = PyMem_Malloc(n * sizeof(long long));
+    if (hb == NULL || pick == NULL || ended == NULL) {
+        PyErr_NoMemory();
+        goto fail;
+    }
+    for (Py_ssize_t i = 0; i < n; i++)
+        hb[i] = (unsigned char)PyBytes_AS_STRING(keys[i])[size - 5];
+    /* the shadow LRU's sample */
+    unsigned mask = (1u << s) - 1;
+    Py_ssize_t np = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!(hb[i] & mask))
+            pick[np++] = keys[i];
+    if (np && shadow_keys(sim, pick, np, hit, sim_cap, counting, &ours, &lru) < 0)
+        goto fail;
+    /* episodes: the lowest live rate's sample ends them, class cls's starts them */
+    mask = (1u << low) - 1;
+    Py_ssize_t nc = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!(hb[i] & mask))
+            pick[nc++] = keys[i];
+    if (nc == 0)
+        goto done;
+    Py_ssize_t ne = 0;
+    for (Py_ssize_t i = 0; i < nc; i++) {
+        PyObject *v = PyDict_GetItemWithError(episodes, pick[i]);
+        if (v == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            continue;
+        }
+        long long e = PyLong_AsLongLong(v);
+        if ((e == -1 && PyErr_Occurred()) || PyDict_DelItem(episodes, pick[i]) < 0)
+            goto fail;
+        ended[ne++] = e;
+    }
+    Py_ssize_t before = PyDict_GET_SIZE(episodes);
+    PyObject *packed = NULL;
+    mask = (1u << k) - 1;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        if (hb[i] & mask)
+            continue;
+        if (packed == NULL && (packed = PyLong_FromLongLong((now << 8) | (k << 1) | cls)) == NULL)
+            goto fail;
+        if (PyDict_SetItem(episodes, keys[i], packed) < 0) {
+            Py_DECREF(packed);
+            goto fail;
+        }
+    }
+    if (packed != NULL) {
+        Py_DECREF(packed);
+        Py_ssize_t added = PyDict_GET_SIZE(episodes) - before;
+        started = (long long)added << k;
+        if (add_int(live, k, added) < 0)
+            goto fail;
+    }
+    Py_ssize_t last = PyBytes_GET_SIZE(bin_of) - 1;
+    const unsigned char *bins = (const unsigned char *)PyBytes_AS_STRING(bin_of);
+    for (Py_ssize_t i = 0; i < ne; i++) {
+        long long e = ended[i], d = now - (e >> 8);
+        long ek = (long)((e >> 1) & 127);
+        if (d < 0 || ek > 62) {
+            PyErr_SetString(PyExc_ValueError, "follow: an episode from the future");
+            goto fail;
+        }
+        Py_ssize_t b = bins[d < last ? d : last];
+        double w = (double)(1LL << ek);
+        PyObject *h = PyTuple_GET_ITEM(dist, e & 1);
+        if (add_int(live, ek, -1) < 0 || add_float(h, b, w) < 0 || add_float(met, b, w) < 0)
+            goto fail;
+    }
+done:
+    PyMem_Free(hb);
+    PyMem_Free(pick);
+    PyMem_Free(ended);
+    Py_DECREF(seq);
+    return Py_BuildValue("(LLL)", started, ours, lru);
+python:
+    Py_DECREF(seq);
+    Py_RETURN_NOTIMPLEMENTED;
+fail:
+    PyMem_Free(hb);
+    PyMem_Free(pick);
+    PyMem_Free(ended);
+    Py_DECREF(seq);
+    return NULL;
+}
+
+static PyMethodDef methods[] = {
+    {"stamp", (PyCFunction)(void (*)(void))stamp, METH_FASTCALL, "stamp(od, keys, now)"},
+    {"renew", (PyCFunction)(void (*)(void))renew, METH_FASTCALL, "renew(od, keys, now)"},
+    {"renew_all", (PyCFunction)(void (*)(void))renew_all, METH_FASTCALL, "renew_all(od, keys, now) -> bool"},
+    {"touch", (PyCFunction)(void (*)(void))touch, METH_FASTCALL, "touch(keys, order, loose, heads, hubbed, used, now)"},
+    {"drop", (PyCFunction)(void (*)(void))drop, METH_FASTCALL,
+     "drop(victims, order, loose, hubbed, heads, b1, b2, hub_ghosts, recent) -> list | None"},
+    {"merge", (PyCFunction)(void (*)(void))merge, METH_FASTCALL,
+     "merge(n, loose, order, hubbed, heads, p, q, threshold, hub_off, head_off, own, held, can_evict) -> list"},
+    {"shadow", (PyCFunction)(void (*)(void))shadow, METH_FASTCALL, "shadow(sim, keys, hit, cap, counting) -> (ours, lru)"},
+    {"follow", (PyCFunction)(void (*)(void))follow, METH_FASTCALL,
+     "follow(keys, cls, hit, now, low, k, s, episodes, live, dist, met, sim, sim_cap, counting, bin_of) -> tuple"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hubchain_loops",
+                                     "hubchain's hot loops over its orders (C twin of hubchain_loops.py)", -1, methods};
+
+PyMODINIT_FUNC PyInit__hubchain_loops(void) {
+    str_move_to_end = PyUnicode_InternFromString("move_to_end");
+    str_popitem = PyUnicode_InternFromString("popitem");
+    if (str_move_to_end == NULL || str_popitem == NULL)
+        return NULL;
+    return PyModule_Create(&module);
+}

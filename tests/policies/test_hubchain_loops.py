@@ -1,0 +1,179 @@
+"""hubchain's hot loops (kvoffload/policies/hubchain_loops.py) and their C twin
+(_hubchain_loops.c): random operations on two copies of the same state, one
+through each; after every call both copies (every OrderedDict in its order,
+every counter, every float to the last bit) and both results are equal. And
+the whole policy through the real CPU manager makes the same choices with
+either."""
+
+from __future__ import annotations
+
+import copy
+import random
+from collections import OrderedDict
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import given, settings
+
+from kvoffload.policies import hubchain_loops as loops
+from kvoffload.policies.hubchain import _BIN_BYTES, BINS
+from kvoffload.tiers.cpu.manager import CPUOffloadingManager
+from tests.policies.test_chain import keys, turn
+
+native = loops.native
+needs_native = pytest.mark.skipif(native is None, reason="the C twin did not build (setup.py: no compiler)")
+PY = loops.PYTHON
+
+# keys of one length whose hash byte (key[-5]) takes every value mod 16
+POOL = [bytes([i, 0, (i * 37) % 256, 1, 2, 3, 4]) for i in range(40)]
+ORDERS = ("order", "loose", "hubbed", "heads")
+
+
+def _state(data) -> dict:
+    """Four disjoint orders of POOL keys with rising last uses, and ghosts."""
+    ks = data.draw(st.permutations(POOL))
+    cuts = sorted(data.draw(st.lists(st.integers(0, len(ks)), min_size=3, max_size=3)))
+    parts = [ks[:cuts[0]], ks[cuts[0]:cuts[1]], ks[cuts[1]:cuts[2]], ks[cuts[2]:]]
+    state = {}
+    for name, part in zip(ORDERS, parts):
+        stamps = sorted(data.draw(st.lists(st.integers(-1, 30), min_size=len(part), max_size=len(part))))
+        state[name] = OrderedDict(zip(part, stamps))
+    for name in ("b1", "b2", "hub_ghosts", "recent", "sim"):
+        state[name] = OrderedDict.fromkeys(data.draw(st.lists(st.sampled_from(POOL), max_size=12, unique=True)))
+    return state
+
+
+def _snapshot(state: dict) -> dict:
+    return {name: list(v.items()) if isinstance(v, dict) else copy.deepcopy(v) for name, v in state.items()}
+
+
+def _both(state: dict, call) -> None:
+    """call(fns, st) on a copy through each twin: same result (or same error), same state after."""
+    twin = copy.deepcopy(state)
+    out = []
+    for fns, s in ((PY, state), (native.__dict__, twin)):
+        try:
+            out.append(("ok", call(fns, s)))
+        except Exception as e:  # noqa: BLE001 (the twins must fail alike)
+            out.append(("error", type(e)))
+    assert out[0] == out[1]
+    assert _snapshot(state) == _snapshot(twin)
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_order_loops_change_the_same_orders_alike(data):
+    state = _state(data)
+    for _ in range(data.draw(st.integers(1, 8))):
+        op = data.draw(st.sampled_from(["stamp", "renew", "renew_all", "touch", "drop", "merge"]))
+        ks = data.draw(st.lists(st.sampled_from(POOL), max_size=10))
+        now = data.draw(st.integers(0, 40))
+        if op in ("stamp", "renew", "renew_all"):
+            name = data.draw(st.sampled_from(ORDERS + ("sim",)))
+            _both(state, lambda f, s: f[op](s[name], ks, now))
+        elif op == "touch":
+            used = data.draw(st.sampled_from([now, now + 1]))
+            _both(state, lambda f, s: f["touch"](ks, s["order"], s["loose"], s["heads"], s["hubbed"], used, now))
+        elif op == "drop":
+            resident = [k for name in ORDERS for k in state[name]]
+            # distinct resident victims; now and then one that is not (a KeyError from both, alike)
+            victims = data.draw(st.lists(st.sampled_from(resident), unique=True)) if resident else []
+            if data.draw(st.booleans()) and len(resident) < len(POOL):
+                victims.append(next(k for k in POOL if k not in resident))
+            _both(state, lambda f, s: f["drop"](victims, s["order"], s["loose"], s["hubbed"], s["heads"],
+                                                s["b1"], s["b2"], s["hub_ghosts"], s["recent"]))
+        else:
+            n = data.draw(st.integers(1, 45))
+            p, q = data.draw(st.integers(0, 40)) + 0.5, float(data.draw(st.integers(0, 40)))
+            stamps = [float(v) for v in state["order"].values()][:3]  # (a threshold at a block's own last use)
+            threshold = data.draw(st.sampled_from([float("inf"), 10.0, 10.5, -5.0] + stamps))
+            shift = data.draw(st.sampled_from([0.0, 2.0, 7.5]))
+            own = dict.fromkeys(data.draw(st.lists(st.sampled_from(POOL), max_size=6)), 3)
+            if not own and data.draw(st.booleans()):
+                own = ()  # (what hubchain passes outside a store)
+            held = set(data.draw(st.lists(st.sampled_from(POOL), max_size=6)))
+            refused = set(data.draw(st.lists(st.sampled_from(POOL), max_size=6)))
+            can_evict = data.draw(st.sampled_from([None, refused.isdisjoint, "raises"]))
+            if can_evict is not None:
+                can_evict = (lambda k: k not in refused) if can_evict is not refused.isdisjoint else can_evict
+            if data.draw(st.booleans()) and can_evict is not None:
+                def can_evict(k):  # noqa: F811 (a manager callback that fails: both let it through)
+                    raise RuntimeError("boom")
+            _both(state, lambda f, s: f["merge"](n, s["loose"], s["order"], s["hubbed"], s["heads"], p, q,
+                                                 threshold, -shift, 8 * shift, own, held, can_evict))
+
+
+@needs_native
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_learning_loops_count_alike(data):
+    """follow and shadow: episodes started and ended (a key twice in one call,
+    every sampling rate, the shadow counting or not), histograms whose adds
+    round (their order shows), the shadow's order and its trim."""
+    big = 2.0 ** 53
+    state = {"sim": OrderedDict.fromkeys(data.draw(st.lists(st.sampled_from(POOL), max_size=10, unique=True))),
+             "episodes": {}, "live": [0] * 9,
+             "dist": ([big] * (BINS + 1), [0.7 * (b % 3) for b in range(BINS + 1)]),
+             "hit": [big + 2 * b for b in range(BINS)], "miss": [0.3 * (b % 5) for b in range(BINS)]}
+    now = 1
+    for _ in range(data.draw(st.integers(1, 12))):
+        now += data.draw(st.sampled_from([0, 1, 3, 200, 5000]))
+        ks = data.draw(st.lists(st.sampled_from(POOL), max_size=12))
+        cls, hit = data.draw(st.integers(0, 1)), data.draw(st.booleans())
+        low = data.draw(st.integers(0, 3))
+        k, s = data.draw(st.integers(low, 4)), data.draw(st.integers(0, 4))
+        live_rates = [r for r, c in enumerate(state["live"]) if c]
+        low = min([low] + live_rates)  # (hubchain's _low: no live episode's rate below it)
+        cap, counting = data.draw(st.integers(1, 12)), data.draw(st.booleans())
+        if data.draw(st.booleans()):
+            _both(state, lambda f, st_: f["follow"](ks, cls, hit, now, low, k, s, st_["episodes"], st_["live"],
+                                                    st_["dist"], st_["hit"] if hit else st_["miss"], st_["sim"],
+                                                    cap, counting, _BIN_BYTES))
+        else:
+            _both(state, lambda f, st_: f["shadow"](st_["sim"], ks, hit, cap, counting))
+
+
+@needs_native
+def test_follow_leaves_keys_of_other_lengths_to_the_python_twin():
+    """Keys of mixed lengths sample other hash bytes in Python (hash_bytes);
+    the C twin declines them and the module's follow gives the Python's."""
+    mixed = [b"\x00" * 12, b"\x00" * 8, b"\x00" * 16]  # 36 = 3 x 12: sliced from the joined buffer
+    args = lambda: (mixed, 0, False, 5, 0, 2, 2, {}, [0] * 9, ([0.0] * (BINS + 1), [0.0] * (BINS + 1)),  # noqa: E731
+                    [0.0] * BINS, OrderedDict(), 8, True, _BIN_BYTES)
+    assert native.follow(*args()) is NotImplemented
+    got, want = args(), args()
+    assert loops.follow(*got) == PY["follow"](*want)
+    assert got[7] == want[7] and list(got[11]) == list(want[11])
+
+
+@needs_native
+def test_hubchain_makes_the_same_choices_with_either_twin(monkeypatch):
+    """Agentic-style conversations and one-shot prompts after a shared prefix
+    through the real CPU manager: every store's outcome and the final
+    residents and learning state are the same with the Python loops as with
+    the C ones."""
+    rng = random.Random(7)
+    system = keys(500, 6)
+    reqs = []
+    for conv in range(60):
+        ctx = system + keys(conv, rng.randint(2, 10))
+        for t in range(rng.randint(1, 4)):
+            reqs.append(list(ctx))
+            ctx += keys(1000 + conv * 10 + t, rng.randint(1, 6))
+    rng.shuffle(reqs)
+
+    def run(use_native: bool):
+        fns = native.__dict__ if use_native else PY
+        for name in ("stamp", "renew", "renew_all", "touch", "drop", "merge", "shadow", "follow"):
+            monkeypatch.setattr(loops, name, fns[name])
+        monkeypatch.setattr(loops, "NATIVE", use_native)
+        m = CPUOffloadingManager(64, "hubchain")
+        hits = [turn(m, r) for r in reqs]
+        pol = m.policy
+        return (hits, [list(getattr(pol, "_" + name).items()) for name in ORDERS], pol.shift, pol._p, pol._q,
+                pol._dist, list(pol._episodes.items()), list(pol._sim))
+
+    with_c, with_python = run(True), run(False)
+    assert with_c == with_python
+    assert sum(with_c[0]) > 0  # (the workload hits: the comparison is not of empty runs)
