@@ -1,8 +1,6 @@
 """The `hubchain` policy: segchain, whose blocks stored right after a hub
 (a block many requests branched from) age faster by an adaptive shift."""
 
-from collections import OrderedDict
-
 import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings

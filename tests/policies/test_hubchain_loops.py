@@ -135,6 +135,37 @@ def test_the_learning_loops_count_alike(data):
 
 
 @needs_native
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_the_resident_prefix_walk_finds_the_same_block(data):
+    """prefix_end: positions in prefix order (the walk from the deep end) or
+    not (its full-walk fallback), resident keys in any of the orders, cold
+    ones (last use -1) skipped, the store's first key without a position."""
+    state = _state(data)
+    ks = data.draw(st.lists(st.sampled_from(POOL), unique=True, max_size=30))
+    pos = sorted(data.draw(st.lists(st.integers(0, 60), min_size=len(ks), max_size=len(ks))))  # (ties too)
+    if data.draw(st.booleans()):  # out of prefix order now and then
+        pos = data.draw(st.permutations(pos))
+    positions = dict(zip(ks, pos))
+    first = data.draw(st.sampled_from(ks + [POOL[0]])) if ks else POOL[0]
+    orders = tuple(state[name] for name in ORDERS)
+    _both({"positions": positions}, lambda f, s: f["prefix_end"](s["positions"], first, orders))
+
+
+@needs_native
+def test_the_resident_prefix_walk_leaves_other_values_to_the_python_twin():
+    """Positions or last uses that are not ints (no caller passes them): the
+    C twin declines, and the module's prefix_end gives the Python's answer."""
+    a, b, c = POOL[:3]
+    for positions, orders in (({a: 1.0, b: 2.0, c: 3.0}, (OrderedDict({a: 5}),)),
+                              ({a: 1, b: 2, c: 3}, (OrderedDict({b: 5.5}),)),
+                              ({a: 1, b: 2, c: 3}, [OrderedDict({a: 5})])):
+        assert native.prefix_end(positions, c, orders) is NotImplemented
+        assert loops.prefix_end(positions, c, orders) == PY["prefix_end"](positions, c, orders)
+    assert loops.prefix_end({a: 1, b: 2, c: 3}, c, (OrderedDict({b: 5.5}),)) == (5.5, b)
+
+
+@needs_native
 def test_follow_leaves_keys_of_other_lengths_to_the_python_twin():
     """Keys of mixed lengths sample other hash bytes in Python (hash_bytes);
     the C twin declines them and the module's follow gives the Python's."""

@@ -13,11 +13,20 @@
 #include <Python.h>
 #include <math.h>
 
-static PyObject *str_move_to_end;
+static PyObject *str_move_to_end, *str_popitem;
+static PyTypeObject *odict_type;  /* collections.OrderedDict */
+static PyObject *odict_move_to_end, *odict_popitem;  /* its methods (descriptors): no lookup per call */
+
+/* od.method(arg): the cached descriptor for a plain OrderedDict, else a lookup (a subclass may override) */
+static PyObject *call_method(PyObject *od, PyObject *cached, PyObject *name, PyObject *arg) {
+    PyObject *args[2] = {od, arg};
+    if (Py_TYPE(od) == odict_type)
+        return PyObject_Vectorcall(cached, args, 2, NULL);
+    return PyObject_VectorcallMethod(name, args, 2, NULL);
+}
 
 static int move_to_end(PyObject *od, PyObject *k) {
-    PyObject *args[2] = {od, k};
-    PyObject *r = PyObject_VectorcallMethod(str_move_to_end, args, 2, NULL);
+    PyObject *r = call_method(od, odict_move_to_end, str_move_to_end, k);
     if (r == NULL)
         return -1;
     Py_DECREF(r);
@@ -447,9 +456,132 @@ fail:
     return NULL;
 }
 
-/* ---- the learning ---------------------------------------------------------- */
+/* ---- the resident prefix ------------------------------------------------------ */
 
-static PyObject *str_popitem;
+/* an int's value into *v: 1, 0 if not an int that fits (the Python twin takes it), -1 on error */
+static int as_ll(PyObject *o, long long *v) {
+    if (!PyLong_CheckExact(o))
+        return 0;
+    int overflow;
+    *v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    if (*v == -1 && PyErr_Occurred())
+        return -1;
+    return !overflow;
+}
+
+/* k's last use in the first of `orders` that holds it: 1 found (in *last), 0 in none, 2 not an int, -1 error */
+static int last_use(PyObject *orders, PyObject *k, long long *last) {
+    for (Py_ssize_t o = 0; o < PyTuple_GET_SIZE(orders); o++) {
+        PyObject *v = PyDict_GetItemWithError(PyTuple_GET_ITEM(orders, o), k);
+        if (v != NULL) {
+            int r = as_ll(v, last);
+            return r == 1 ? 1 : r < 0 ? -1 : 2;
+        }
+        if (PyErr_Occurred())
+            return -1;
+    }
+    return 0;
+}
+
+/* prefix_end(positions, first_key, orders) -> (last, key) | (None, None), or NotImplemented where positions
+   is not a dict of ints, orders not a tuple of dicts or a last use not an int (the Python twin then does it) */
+static PyObject *prefix_end(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
+    if (check_args(nargs, 3, "prefix_end") < 0)
+        return NULL;
+    PyObject *positions = args[0], *orders = args[2];
+    if (!PyDict_CheckExact(positions) || !PyTuple_Check(orders))
+        Py_RETURN_NOTIMPLEMENTED;
+    for (Py_ssize_t o = 0; o < PyTuple_GET_SIZE(orders); o++)
+        if (!PyDict_Check(PyTuple_GET_ITEM(orders, o)))
+            Py_RETURN_NOTIMPLEMENTED;
+    PyObject *fv = PyDict_GetItemWithError(positions, args[1]);
+    if (fv == NULL) {
+        if (PyErr_Occurred())
+            return NULL;
+        return Py_BuildValue("(OO)", Py_None, Py_None);
+    }
+    long long first, p, above = 0, last;
+    int r = as_ll(fv, &first), have_above = 0;
+    if (r <= 0)
+        return r < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+    /* from the deep end */
+    PyObject *it = PyObject_CallOneArg((PyObject *)&PyReversed_Type, positions), *k;
+    if (it == NULL)
+        return NULL;
+    int broke = 0;
+    while ((k = PyIter_Next(it)) != NULL) {
+        PyObject *pv = PyDict_GetItemWithError(positions, k);
+        if (pv == NULL) {
+            if (!PyErr_Occurred())
+                PyErr_SetObject(PyExc_KeyError, k);
+            r = -1;
+        } else {
+            r = as_ll(pv, &p);
+        }
+        if (r <= 0)
+            goto out;
+        if (have_above && p >= above) {
+            broke = 1;
+            Py_DECREF(k);
+            break;
+        }
+        have_above = 1;
+        above = p;
+        if (p < first) {
+            r = last_use(orders, k, &last);
+            if (r < 0 || r == 2) {
+                r = r < 0 ? -1 : 0;
+                goto out;
+            }
+            if (r == 1 && last >= 0) {
+                Py_DECREF(it);
+                PyObject *res = Py_BuildValue("(LO)", last, k);
+                Py_DECREF(k);
+                return res;
+            }
+        }
+        Py_DECREF(k);
+    }
+    if (PyErr_Occurred()) {
+        Py_DECREF(it);
+        return NULL;
+    }
+    Py_DECREF(it);
+    if (!broke)
+        return Py_BuildValue("(OO)", Py_None, Py_None);
+    /* out of order: the full walk */
+    long long best = -1, prev = 0;
+    PyObject *parent = NULL, *pk, *pv2;
+    Py_ssize_t pos = 0;
+    while (PyDict_Next(positions, &pos, &pk, &pv2)) {
+        r = as_ll(pv2, &p);
+        if (r <= 0)
+            return r < 0 ? NULL : Py_NewRef(Py_NotImplemented);
+        if (best < p && p < first) {
+            r = last_use(orders, pk, &last);
+            if (r < 0)
+                return NULL;
+            if (r == 2)
+                Py_RETURN_NOTIMPLEMENTED;
+            if (r == 1 && last >= 0) {
+                best = p;
+                prev = last;
+                parent = pk;  /* (borrowed: positions is not changed here) */
+            }
+        }
+    }
+    if (parent == NULL)
+        return Py_BuildValue("(OO)", Py_None, Py_None);
+    return Py_BuildValue("(LO)", prev, parent);
+out:
+    Py_DECREF(k);
+    Py_DECREF(it);
+    if (r < 0)
+        return NULL;
+    Py_RETURN_NOTIMPLEMENTED;
+}
+
+/* ---- the learning ---------------------------------------------------------- */
 
 /* shadow's work on keys[0..m): adds to *ours, *lru */
 static int shadow_keys(PyObject *sim, PyObject **keys, Py_ssize_t m, int hit, Py_ssize_t cap, int counting,
@@ -477,8 +609,7 @@ static int shadow_keys(PyObject *sim, PyObject **keys, Py_ssize_t m, int hit, Py
     if (size < 0)
         return -1;
     for (Py_ssize_t over = size - cap; over > 0; over--) {
-        PyObject *a[2] = {sim, Py_False};
-        PyObject *r = PyObject_VectorcallMethod(str_popitem, a, 2, NULL);
+        PyObject *r = call_method(sim, odict_popitem, str_popitem, Py_False);
         if (r == NULL)
             return -1;
         Py_DECREF(r);
@@ -671,6 +802,8 @@ static PyMethodDef methods[] = {
      "drop(victims, order, loose, hubbed, heads, b1, b2, hub_ghosts, recent) -> list | None"},
     {"merge", (PyCFunction)(void (*)(void))merge, METH_FASTCALL,
      "merge(n, loose, order, hubbed, heads, p, q, threshold, hub_off, head_off, own, held, can_evict) -> list"},
+    {"prefix_end", (PyCFunction)(void (*)(void))prefix_end, METH_FASTCALL,
+     "prefix_end(positions, first_key, orders) -> (last, key) | (None, None)"},
     {"shadow", (PyCFunction)(void (*)(void))shadow, METH_FASTCALL, "shadow(sim, keys, hit, cap, counting) -> (ours, lru)"},
     {"follow", (PyCFunction)(void (*)(void))follow, METH_FASTCALL,
      "follow(keys, cls, hit, now, low, k, s, episodes, live, dist, met, sim, sim_cap, counting, bin_of) -> tuple"},
@@ -684,6 +817,17 @@ PyMODINIT_FUNC PyInit__hubchain_loops(void) {
     str_move_to_end = PyUnicode_InternFromString("move_to_end");
     str_popitem = PyUnicode_InternFromString("popitem");
     if (str_move_to_end == NULL || str_popitem == NULL)
+        return NULL;
+    PyObject *collections = PyImport_ImportModule("collections");
+    if (collections == NULL)
+        return NULL;
+    odict_type = (PyTypeObject *)PyObject_GetAttrString(collections, "OrderedDict");
+    Py_DECREF(collections);
+    if (odict_type == NULL || !PyType_Check(odict_type))
+        return NULL;
+    odict_move_to_end = PyObject_GetAttr((PyObject *)odict_type, str_move_to_end);
+    odict_popitem = PyObject_GetAttr((PyObject *)odict_type, str_popitem);
+    if (odict_move_to_end == NULL || odict_popitem == NULL)
         return NULL;
     return PyModule_Create(&module);
 }

@@ -193,6 +193,43 @@ def merge_rest(n: int, loose: OrderedDict, order: OrderedDict, hubbed: OrderedDi
     return victims
 
 
+def prefix_end(positions: dict, first_key: bytes, orders: tuple) -> tuple[int | None, bytes | None]:
+    """(last use, key) of the deepest resident block (in one of `orders`,
+    not stored cold: last use >= 0) at a position before first_key's;
+    (None, None) if none or first_key has no position. From the deep end:
+    positions are set in prefix order (vLLM's connector, the replay), so the
+    first resident key met below the store is the deepest. That is assumed,
+    not checked: positions met out of order on the way fall back to the full
+    walk, others are not seen. (`segchain`'s rule, here for hubchain's cost.)"""
+    first = positions.get(first_key)
+    if first is None:
+        return None, None
+    above = None
+    for k, p in reversed(positions.items()):
+        if above is not None and p >= above:
+            break
+        above = p
+        if p < first:
+            for order in orders:
+                last = order.get(k)
+                if last is not None:
+                    if last >= 0:
+                        return last, k
+                    break
+    else:
+        return None, None
+    best, prev, parent = -1, None, None
+    for k, p in positions.items():
+        if best < p < first:
+            for order in orders:
+                last = order.get(k)
+                if last is not None:
+                    if last >= 0:
+                        best, prev, parent = p, last, k
+                    break
+    return prev, parent
+
+
 # ---- the learning: sampled reuse distances and the shadow LRU --------------
 
 _MAX_SAMPLE = 8  # a sample takes 1 in 2**k keys by one hash byte, k <= 8
@@ -288,8 +325,8 @@ def follow(keys: list[bytes], cls: int, hit: bool, now: int, low: int, k: int, s
     return started, ours, lru
 
 
-PYTHON = {name: globals()[name] for name in ("stamp", "renew", "renew_all", "touch", "drop", "merge", "shadow",
-                                               "follow")}
+PYTHON = {name: globals()[name] for name in ("stamp", "renew", "renew_all", "touch", "drop", "merge", "prefix_end",
+                                               "shadow", "follow")}
 
 try:  # the C twin (_hubchain_loops.c), built at install by setup.py; optional
     from kvoffload.policies import _hubchain_loops as native
@@ -305,3 +342,8 @@ if NATIVE:
         # (the C twin takes keys of one length, bytes, 5 or more; others: the Python)
         r = native.follow(*args)
         return PYTHON["follow"](*args) if r is NotImplemented else r
+
+    def prefix_end(positions, first_key, orders):  # noqa: F811
+        # (the C twin takes a dict of int positions and int last uses; others: the Python)
+        r = native.prefix_end(positions, first_key, orders)
+        return PYTHON["prefix_end"](positions, first_key, orders) if r is NotImplemented else r
