@@ -40,6 +40,7 @@ def _state(data) -> dict:
         state[name] = OrderedDict(zip(part, stamps))
     for name in ("b1", "b2", "hub_ghosts", "recent", "sim"):
         state[name] = OrderedDict.fromkeys(data.draw(st.lists(st.sampled_from(POOL), max_size=12, unique=True)))
+    state["branches"] = dict.fromkeys(data.draw(st.lists(st.sampled_from(POOL), max_size=8, unique=True)), 2)
     return state
 
 
@@ -81,8 +82,9 @@ def test_the_order_loops_change_the_same_orders_alike(data):
             victims = data.draw(st.lists(st.sampled_from(resident), unique=True)) if resident else []
             if data.draw(st.booleans()) and len(resident) < len(POOL):
                 victims.append(next(k for k in POOL if k not in resident))
+            c = data.draw(st.integers(1, 30))  # (small: ARC's bounds and the ghosts' trims bite)
             _both(state, lambda f, s: f["drop"](victims, s["order"], s["loose"], s["hubbed"], s["heads"],
-                                                s["b1"], s["b2"], s["hub_ghosts"], s["recent"]))
+                                                s["b1"], s["b2"], s["hub_ghosts"], s["recent"], s["branches"], c))
         else:
             n = data.draw(st.integers(1, 45))
             p, q = data.draw(st.integers(0, 40)) + 0.5, float(data.draw(st.integers(0, 40)))

@@ -33,6 +33,16 @@ static int move_to_end(PyObject *od, PyObject *k) {
     return 0;
 }
 
+static int pop_oldest(PyObject *od, Py_ssize_t count) {
+    for (; count > 0; count--) {
+        PyObject *r = call_method(od, odict_popitem, str_popitem, Py_False);
+        if (r == NULL)
+            return -1;
+        Py_DECREF(r);
+    }
+    return 0;
+}
+
 static int contains(PyObject *container, PyObject *k) {
     if (PyDict_Check(container))
         return PyDict_Contains(container, k);
@@ -187,12 +197,19 @@ fail:
     return NULL;
 }
 
-/* drop(victims, order, loose, hubbed, heads, b1, b2, hub_ghosts, recent) -> list | None */
+static Py_ssize_t length(PyObject *o) {
+    return PyObject_Length(o);
+}
+
+/* drop(victims, order, loose, hubbed, heads, b1, b2, hub_ghosts, recent, branches, c) */
 static PyObject *drop(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(nargs, 9, "drop") < 0)
+    if (check_args(nargs, 11, "drop") < 0)
         return NULL;
     PyObject *order = args[1], *loose = args[2], *hubbed = args[3], *heads = args[4];
-    PyObject *b1 = args[5], *b2 = args[6], *hub_ghosts = args[7], *recent = args[8];
+    PyObject *b1 = args[5], *b2 = args[6], *hub_ghosts = args[7], *recent = args[8], *branches = args[9];
+    Py_ssize_t c = PyLong_AsSsize_t(args[10]);
+    if (c == -1 && PyErr_Occurred())
+        return NULL;
     PyObject *branch = NULL;
     PyObject *victims = PySequence_Fast(args[0], "victims must be a sequence");
     if (victims == NULL)
@@ -222,10 +239,42 @@ static PyObject *drop(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     for (Py_ssize_t i = 0; i < n; i++)
         if (PyObject_SetItem(recent, PySequence_Fast_GET_ITEM(victims, i), Py_None) < 0)
             goto fail;
+    Py_ssize_t size = length(branches);
+    if (size < 0)
+        goto fail;
+    if (size)
+        for (Py_ssize_t i = 0; i < n; i++)
+            if (pop(branches, PySequence_Fast_GET_ITEM(victims, i)) < 0)
+                goto fail;
+    if ((size = length(recent)) < 0 || (size > c && pop_oldest(recent, size - c) < 0))
+        goto fail;
+    /* ARC's bounds */
+    Py_ssize_t n_order = length(order), n_loose = length(loose), n_hubbed = length(hubbed);
+    Py_ssize_t n_heads = length(heads), n_b1 = length(b1), n_b2 = length(b2);
+    if (n_order < 0 || n_loose < 0 || n_hubbed < 0 || n_heads < 0 || n_b1 < 0 || n_b2 < 0)
+        goto fail;
+    Py_ssize_t over = n_loose + n_b1 - c < n_b1 ? n_loose + n_b1 - c : n_b1;
+    if (over > 0) {
+        if (pop_oldest(b1, over) < 0)
+            goto fail;
+        n_b1 -= over;
+    }
+    over = n_order + n_loose + n_hubbed + n_heads + n_b1 + n_b2 - 2 * c;
+    if (over > 0) {
+        Py_ssize_t from2 = over < n_b2 ? over : n_b2, from1 = over - from2 < n_b1 ? over - from2 : n_b1;
+        if (pop_oldest(b2, from2) < 0 || pop_oldest(b1, from1) < 0)
+            goto fail;
+    }
+    if (branch != NULL) {
+        for (Py_ssize_t i = 0; i < PyList_GET_SIZE(branch); i++)
+            if (pop(b1, PyList_GET_ITEM(branch, i)) < 0)
+                goto fail;
+        if ((size = length(hub_ghosts)) < 0 || (size > c && pop_oldest(hub_ghosts, size - c) < 0))
+            goto fail;
+        Py_DECREF(branch);
+    }
     Py_DECREF(victims);
-    if (branch == NULL)
-        Py_RETURN_NONE;
-    return branch;
+    Py_RETURN_NONE;
 fail:
     Py_DECREF(victims);
     Py_XDECREF(branch);
@@ -500,85 +549,71 @@ static PyObject *prefix_end(PyObject *m, PyObject *const *args, Py_ssize_t nargs
             return NULL;
         return Py_BuildValue("(OO)", Py_None, Py_None);
     }
-    long long first, p, above = 0, last;
-    int r = as_ll(fv, &first), have_above = 0;
+    long long first, last;
+    int r = as_ll(fv, &first);
     if (r <= 0)
         return r < 0 ? NULL : Py_NewRef(Py_NotImplemented);
-    /* from the deep end */
-    PyObject *it = PyObject_CallOneArg((PyObject *)&PyReversed_Type, positions), *k;
-    if (it == NULL)
-        return NULL;
-    int broke = 0;
-    while ((k = PyIter_Next(it)) != NULL) {
-        PyObject *pv = PyDict_GetItemWithError(positions, k);
-        if (pv == NULL) {
-            if (!PyErr_Occurred())
-                PyErr_SetObject(PyExc_KeyError, k);
-            r = -1;
-        } else {
-            r = as_ll(pv, &p);
-        }
-        if (r <= 0)
+    /* The entries in order, read once (PyDict_Next: no lookups), then walked from the deep end: the
+       store's own keys and those after it cost a step each, not a lookup. */
+    Py_ssize_t n = PyDict_GET_SIZE(positions), at = 0, pos = 0;
+    PyObject **ks = PyMem_Malloc((n ? n : 1) * sizeof(PyObject *)), *pk, *pv, *res = NULL;
+    long long *ps = PyMem_Malloc((n ? n : 1) * sizeof(long long));
+    if (ks == NULL || ps == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    while (PyDict_Next(positions, &pos, &pk, &pv)) {  /* (borrowed: nothing here changes positions) */
+        if ((r = as_ll(pv, &ps[at])) <= 0) {
+            res = r < 0 ? NULL : Py_NewRef(Py_NotImplemented);
             goto out;
-        if (have_above && p >= above) {
-            broke = 1;
-            Py_DECREF(k);
-            break;
         }
-        have_above = 1;
-        above = p;
-        if (p < first) {
-            r = last_use(orders, k, &last);
-            if (r < 0 || r == 2) {
-                r = r < 0 ? -1 : 0;
+        ks[at++] = pk;
+    }
+    Py_ssize_t i = at - 1;
+    for (; i >= 0; i--) {
+        if (i < at - 1 && ps[i] >= ps[i + 1])
+            break;  /* out of prefix order: the full walk below */
+        if (ps[i] < first) {
+            r = last_use(orders, ks[i], &last);
+            if (r < 0)
+                goto out;
+            if (r == 2) {
+                res = Py_NewRef(Py_NotImplemented);
                 goto out;
             }
             if (r == 1 && last >= 0) {
-                Py_DECREF(it);
-                PyObject *res = Py_BuildValue("(LO)", last, k);
-                Py_DECREF(k);
-                return res;
+                res = Py_BuildValue("(LO)", last, ks[i]);
+                goto out;
             }
         }
-        Py_DECREF(k);
     }
-    if (PyErr_Occurred()) {
-        Py_DECREF(it);
-        return NULL;
+    if (i < 0) {
+        res = Py_BuildValue("(OO)", Py_None, Py_None);
+        goto out;
     }
-    Py_DECREF(it);
-    if (!broke)
-        return Py_BuildValue("(OO)", Py_None, Py_None);
-    /* out of order: the full walk */
     long long best = -1, prev = 0;
-    PyObject *parent = NULL, *pk, *pv2;
-    Py_ssize_t pos = 0;
-    while (PyDict_Next(positions, &pos, &pk, &pv2)) {
-        r = as_ll(pv2, &p);
-        if (r <= 0)
-            return r < 0 ? NULL : Py_NewRef(Py_NotImplemented);
-        if (best < p && p < first) {
-            r = last_use(orders, pk, &last);
+    PyObject *parent = NULL;
+    for (i = 0; i < at; i++) {
+        if (best < ps[i] && ps[i] < first) {
+            r = last_use(orders, ks[i], &last);
             if (r < 0)
-                return NULL;
-            if (r == 2)
-                Py_RETURN_NOTIMPLEMENTED;
+                goto out;
+            if (r == 2) {
+                res = Py_NewRef(Py_NotImplemented);
+                goto out;
+            }
             if (r == 1 && last >= 0) {
-                best = p;
+                best = ps[i];
                 prev = last;
-                parent = pk;  /* (borrowed: positions is not changed here) */
+                parent = ks[i];
             }
         }
     }
-    if (parent == NULL)
-        return Py_BuildValue("(OO)", Py_None, Py_None);
-    return Py_BuildValue("(LO)", prev, parent);
+    res = parent == NULL ? Py_BuildValue("(OO)", Py_None, Py_None) : Py_BuildValue("(LO)", prev, parent);
 out:
-    Py_DECREF(k);
-    Py_DECREF(it);
-    if (r < 0)
-        return NULL;
-    Py_RETURN_NOTIMPLEMENTED;
+    PyMem_Free(ks);
+    PyMem_Free(ps);
+    return res;
 }
 
 /* ---- the learning ---------------------------------------------------------- */
@@ -608,13 +643,7 @@ static int shadow_keys(PyObject *sim, PyObject **keys, Py_ssize_t m, int hit, Py
     Py_ssize_t size = PyObject_Length(sim);
     if (size < 0)
         return -1;
-    for (Py_ssize_t over = size - cap; over > 0; over--) {
-        PyObject *r = call_method(sim, odict_popitem, str_popitem, Py_False);
-        if (r == NULL)
-            return -1;
-        Py_DECREF(r);
-    }
-    return 0;
+    return size > cap ? pop_oldest(sim, size - cap) : 0;
 }
 
 /* shadow(sim, keys, hit, cap, counting) -> (ours, lru) */
@@ -799,7 +828,7 @@ static PyMethodDef methods[] = {
     {"renew_all", (PyCFunction)(void (*)(void))renew_all, METH_FASTCALL, "renew_all(od, keys, now) -> bool"},
     {"touch", (PyCFunction)(void (*)(void))touch, METH_FASTCALL, "touch(keys, order, loose, heads, hubbed, used, now)"},
     {"drop", (PyCFunction)(void (*)(void))drop, METH_FASTCALL,
-     "drop(victims, order, loose, hubbed, heads, b1, b2, hub_ghosts, recent) -> list | None"},
+     "drop(victims, order, loose, hubbed, heads, b1, b2, hub_ghosts, recent, branches, c)"},
     {"merge", (PyCFunction)(void (*)(void))merge, METH_FASTCALL,
      "merge(n, loose, order, hubbed, heads, p, q, threshold, hub_off, head_off, own, held, can_evict) -> list"},
     {"prefix_end", (PyCFunction)(void (*)(void))prefix_end, METH_FASTCALL,

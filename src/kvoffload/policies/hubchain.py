@@ -777,38 +777,16 @@ class HubChainPolicy(SegChainPolicy):
         self._branches.pop(key, None)
 
     def _drop(self, victims: list[bytes]) -> None:
-        order, loose, hubbed, heads = self._order, self._loose, self._hubbed, self._heads
-        recent, branches, b1, b2 = self._recent, self._branches, self._b1, self._b2
-        hub_ghosts = self._hub_ghosts
-        # Each victim to ARC's ghosts and `recent`. A never-hit hub branch
-        # block is a loose one there: it takes room in B1 while B1 is trimmed
-        # below, then goes (a hub branch's ghosts are `_recent`'s and q's).
-        branch_ghosts = loops.drop(victims, order, loose, hubbed, heads, b1, b2, hub_ghosts, recent)
-        if branches:
-            deque(map(branches.pop, victims, repeat(None)), 0)
-        if len(recent) > self.capacity:  # the oldest ghosts go, in one C loop
-            deque(map(recent.popitem, repeat(False, len(recent) - self.capacity)), 0)
+        # Each victim to ARC's ghosts and `recent`, then ARC's bounds
+        # (hubchain_loops.drop); a split every quarter of the capacity evicted.
+        loops.drop(victims, self._order, self._loose, self._hubbed, self._heads, self._b1, self._b2,
+                   self._hub_ghosts, self._recent, self._branches, self.capacity)
         self._evicted_since += len(victims)
         if self._evicted_since >= max(1, self.capacity // 4):
             self._evicted_since = 0
             self._split()
             self._sim_ours *= self.SIM_MEMORY  # (at every split, the first ones too)
             self._sim_lru *= self.SIM_MEMORY
-        # ARC's bounds: |loose| + |B1| <= c, resident + |B1| + |B2| <= 2c (oldest first, B2 before B1)
-        c = self.capacity
-        over = min(len(loose) + len(b1) - c, len(b1))
-        if over > 0:
-            deque(map(b1.popitem, repeat(False, over)), 0)
-        over = len(self) + len(b1) + len(b2) - 2 * c
-        if over > 0:
-            from2 = min(over, len(b2))
-            deque(map(b2.popitem, repeat(False, from2)), 0)
-            deque(map(b1.popitem, repeat(False, min(over - from2, len(b1)))), 0)
-        if branch_ghosts:
-            deque(map(b1.pop, branch_ghosts, repeat(None)), 0)
-            over = len(hub_ghosts) - c
-            if over > 0:
-                deque(map(hub_ghosts.popitem, repeat(False, over)), 0)
 
     def __len__(self) -> int:
         return len(self._order) + len(self._loose) + len(self._hubbed) + len(self._heads)

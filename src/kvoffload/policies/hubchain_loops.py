@@ -76,11 +76,14 @@ def touch(keys: list[bytes], order: OrderedDict, loose: OrderedDict, heads: Orde
 
 def drop(victims: list[bytes], order: OrderedDict, loose: OrderedDict, hubbed: OrderedDict,
          heads: OrderedDict, b1: OrderedDict, b2: OrderedDict, hub_ghosts: OrderedDict,
-         recent: OrderedDict) -> list[bytes] | None:
+         recent: OrderedDict, branches: dict, c: int) -> None:
     """Each victim leaves its order for ARC's ghosts: chain's and heads' to
     B2, loose to B1, a hub branch's to B1 and the hub branch ghosts; all to
-    `recent`. Returns the hub branch victims (None if none): the caller
-    takes them out of B1 again once B1 is trimmed."""
+    `recent` (at most c, oldest out) and out of `branches`. Then ARC's
+    bounds, oldest first: |loose| + |B1| <= c, resident + |B1| + |B2| <= 2c
+    (B2 before B1). A never-hit hub branch victim is a loose one there: it
+    takes room in B1 while B1 is trimmed, then goes (a hub branch's ghosts
+    are `recent`'s and the hub branch ghosts', at most c)."""
     branch_ghosts = None
     for k in victims:
         if order.pop(k, None) is not None:
@@ -98,7 +101,23 @@ def drop(victims: list[bytes], order: OrderedDict, loose: OrderedDict, hubbed: O
             b2[k] = None
     for k in victims:
         recent[k] = None
-    return branch_ghosts
+    if branches:
+        deque(map(branches.pop, victims, repeat(None)), 0)
+    if len(recent) > c:  # the oldest ghosts go, in one C loop
+        deque(map(recent.popitem, repeat(False, len(recent) - c)), 0)
+    over = min(len(loose) + len(b1) - c, len(b1))
+    if over > 0:
+        deque(map(b1.popitem, repeat(False, over)), 0)
+    over = len(order) + len(loose) + len(hubbed) + len(heads) + len(b1) + len(b2) - 2 * c
+    if over > 0:
+        from2 = min(over, len(b2))
+        deque(map(b2.popitem, repeat(False, from2)), 0)
+        deque(map(b1.popitem, repeat(False, min(over - from2, len(b1)))), 0)
+    if branch_ghosts:
+        deque(map(b1.pop, branch_ghosts, repeat(None)), 0)
+        over = len(hub_ghosts) - c
+        if over > 0:
+            deque(map(hub_ghosts.popitem, repeat(False, over)), 0)
 
 
 def merge(n: int, loose: OrderedDict, order: OrderedDict, hubbed: OrderedDict, heads: OrderedDict,
