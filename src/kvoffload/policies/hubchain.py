@@ -560,10 +560,6 @@ class HubChainPolicy(SegChainPolicy):
     def _orders(self) -> tuple[OrderedDict, ...]:
         return self._order, self._loose, self._hubbed, self._heads
 
-    def _prefix_end(self, keys: list[bytes], ctx: ReqContext) -> tuple[int | None, bytes | None]:
-        # segchain's walk, in hubchain_loops (C where built)
-        return loops.prefix_end(ctx.offload_key_positions(), keys[0], self._orders())
-
     def _learn(self, first_miss: bytes) -> None:
         """ARC's adaptation of p, on a request's first miss only (a deeper
         miss is worth nothing once a block before it is gone): a B1 ghost

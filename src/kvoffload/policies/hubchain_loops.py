@@ -219,7 +219,7 @@ def prefix_end(positions: dict, first_key: bytes, orders: tuple) -> tuple[int | 
     positions are set in prefix order (vLLM's connector, the replay), so the
     first resident key met below the store is the deepest. That is assumed,
     not checked: positions met out of order on the way fall back to the full
-    walk, others are not seen. (`segchain`'s rule, here for hubchain's cost.)"""
+    walk, others are not seen. (`segchain`'s rule, and so hubchain's.)"""
     first = positions.get(first_key)
     if first is None:
         return None, None

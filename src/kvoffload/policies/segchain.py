@@ -20,6 +20,7 @@ from itertools import chain
 
 from kvoffload.abstractions import ReqContext
 from kvoffload.policies.chain import _COLD, ChainPolicy, _Req
+from kvoffload.policies.hubchain_loops import prefix_end
 
 
 class _SegReq(_Req):
@@ -55,40 +56,10 @@ class SegChainPolicy(ChainPolicy):
         return req
 
     def _prefix_end(self, keys: list[bytes], ctx: ReqContext) -> tuple[int | None, bytes | None]:
-        """(last use, key) of the deepest resident block before the store."""
-        positions = ctx.offload_key_positions()
-        first = positions.get(keys[0])
-        if first is None:
-            return None, None
-        orders = self._orders()
-        # From the deep end: positions are set in prefix order (vLLM's
-        # connector, the replay), so the first resident key met below the
-        # store is the deepest. That is assumed, not checked: positions met out
-        # of order on the way fall back to the full walk, others are not seen.
-        above = None
-        for k, p in reversed(positions.items()):
-            if above is not None and p >= above:
-                break
-            above = p
-            if p < first:
-                for order in orders:
-                    last = order.get(k)
-                    if last is not None:
-                        if last >= 0:
-                            return last, k
-                        break
-        else:
-            return None, None
-        best, prev, parent = -1, None, None
-        for k, p in positions.items():
-            if best < p < first:
-                for order in orders:
-                    last = order.get(k)
-                    if last is not None:
-                        if last >= 0:
-                            best, prev, parent = p, last, k
-                        break
-        return prev, parent
+        """(last use, key) of the deepest resident block before the store
+        (hubchain_loops.prefix_end: from the deep end, positions assumed in
+        prefix order; C where built)."""
+        return prefix_end(ctx.offload_key_positions(), keys[0], self._orders())
 
     def _orders(self) -> tuple[OrderedDict, ...]:
         """The orders a resident key is in (key -> last use)."""
