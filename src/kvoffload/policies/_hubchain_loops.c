@@ -1,13 +1,16 @@
-/* kvoffload.policies._hubchain_loops: hubchain's hot loops over its orders, in C.
+/* kvoffload.policies._hubchain_loops: hubchain's hot loops, in C.
 
    The C twin of hubchain_loops.py (read that file first: it says what each
    function does, and its functions are the reference). An order is an
    OrderedDict of key -> last use. These make the same calls on the same
-   OrderedDicts in the same order as the Python (od[k] = v, del od[k],
-   od.move_to_end(k), iteration from the oldest), so both leave the same
-   state and return the same values; the saving is the interpreter's loop,
-   not a different structure. tests/policies/test_hubchain_loops.py compares
-   them on random operations. */
+   dicts in the same order as the Python (od[k] = v, del od[k],
+   od.move_to_end(k), od.popitem(False), iteration from the oldest) and the
+   same double additions in the same order, so both leave the same state
+   and return the same values; the saving is the interpreter's loop, not a
+   different structure. tests/policies/test_hubchain_loops.py compares them
+   on random operations. Where an argument is outside what hubchain passes
+   (keys of mixed lengths, positions that are not ints), a function returns
+   NotImplemented and the Python module runs its own twin. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -1,4 +1,6 @@
-"""`hubchain`'s hot loops over its orders, in Python and in C.
+"""`hubchain`'s hot loops, in Python and in C: over its orders (the pick,
+the drop to ghosts, renewals), the resident-prefix walk, and the learning's
+sampled reuses with the shadow LRU.
 
 An order is an OrderedDict of key -> last use (the clock, in requests),
 oldest first. These loops run for every block a request stores, hits or
@@ -42,8 +44,9 @@ def renew(od: OrderedDict, keys: list[bytes], now: int) -> None:
 
 
 def renew_all(od: OrderedDict, keys: list[bytes], now: int) -> bool:
-    """renew when od holds every key (the common case: one pass in C, no
-    test per key); else False and no change."""
+    """renew when od holds every key (the common case: a request's own
+    stores, all in one order); else False and no change (the caller then
+    renews those od holds)."""
     if not all(map(od.__contains__, keys)):
         return False
     deque(map(od.move_to_end, reversed(keys)), 0)
