@@ -210,3 +210,76 @@ def test_hubchain_makes_the_same_choices_with_either_twin(monkeypatch):
     with_c, with_python = run(True), run(False)
     assert with_c == with_python
     assert sum(with_c[0]) > 0  # (the workload hits: the comparison is not of empty runs)
+
+
+@needs_native
+@pytest.mark.parametrize("call", [
+    lambda: native.renew([], POOL[:2], 1),
+    lambda: native.renew_all(None, POOL[:2], 1),
+    lambda: native.touch(POOL[:2], OrderedDict(), [POOL[0]], OrderedDict(), OrderedDict(), 1, 1),
+    lambda: native.shadow(None, POOL[:2], True, 10, True),
+    lambda: native.drop(POOL[:1], [], OrderedDict(), OrderedDict(), OrderedDict(), OrderedDict(), OrderedDict(),
+                        OrderedDict(), OrderedDict(), {}, 4),
+    lambda: native.merge(2, [POOL[0]], OrderedDict(), OrderedDict(), OrderedDict(), 0.0, 9.0, 1e9, 0.0, 0.0, (),
+                         set(), None),
+], ids=["renew", "renew_all", "touch", "shadow", "drop", "merge"])
+def test_the_c_twin_refuses_what_is_not_an_ordereddict(call):
+    """PyDict_Contains does not check its argument: without the check these
+    crashed the interpreter (a list or None where an order goes)."""
+    with pytest.raises(TypeError, match="expected an OrderedDict"):
+        call()
+
+
+@needs_native
+def test_the_c_merge_refuses_offsets_that_are_not_finite_and_drop_a_capacity_out_of_range():
+    """Every walk's next block at an infinite (or NaN) shifted last use made
+    the merge take a walk that had ended (a NULL key: a crash); a capacity
+    near 2**63 overflowed ARC's 2c bound."""
+    orders = (OrderedDict(), OrderedDict(), OrderedDict([(POOL[0], 1)]), OrderedDict([(POOL[1], 1)]))
+    for off in (float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="finite"):
+            native.merge(2, *orders, 9.0, 9.0, float("inf"), off, off, (), set(), None)
+    for c in (0, 3 * 2 ** 61):
+        with pytest.raises(ValueError, match="capacity"):
+            native.drop([], *(OrderedDict() for _ in range(8)), {}, c)
+
+
+@needs_native
+def test_the_c_twin_reads_its_own_copy_of_the_keys():
+    """A key whose hash empties the caller's list while stamp runs (the C
+    read the list's items by index: freed pointers)."""
+    class Emptying:
+        def __init__(self, keys):
+            self.keys = keys
+
+        def __hash__(self):
+            self.keys.clear()
+            return 1
+
+    keys = POOL[:3]
+    keys.append(Emptying(keys))
+    od = OrderedDict()
+    native.stamp(od, keys, 5)
+    assert list(od.values()) == [5, 5, 5, 5] and keys == []
+
+
+@needs_native
+def test_follow_leaves_clocks_and_episodes_out_of_range_to_the_python_twin():
+    """A clock past 2**54 ((now << 8) overflowed) or an episode that starts
+    after `now` (read past the histogram's table): the C declines before it
+    changes anything, and the module's follow gives the Python's result."""
+    k = POOL[0]
+
+    def args(now, episodes):
+        return ([k], 0, True, now, 0, 0, 0, episodes, [0] * 9, [[0.0] * 4, [0.0] * 4], [0.0] * 4, OrderedDict(),
+                8, False, bytes(4))
+
+    for now, episodes in ((2 ** 56, {}), (5, {k: (7 << 8) | 1}), (5, {k: "not an int"})):
+        raw = args(now, episodes)
+        before = copy.deepcopy(raw)
+        assert native.follow(*raw) is NotImplemented
+        assert repr(raw) == repr(before)  # nothing changed
+        if isinstance(episodes.get(k, 0), int):
+            got, want = args(now, dict(episodes)), args(now, dict(episodes))
+            assert loops.follow(*got) == PY["follow"](*want)
+            assert repr(got) == repr(want)

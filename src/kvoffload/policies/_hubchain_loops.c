@@ -9,8 +9,11 @@
    and return the same values; the saving is the interpreter's loop, not a
    different structure. tests/policies/test_hubchain_loops.py compares them
    on random operations. Where an argument is outside what hubchain passes
-   (keys of mixed lengths, positions that are not ints), a function returns
-   NotImplemented and the Python module runs its own twin. */
+   (keys of mixed lengths, positions that are not ints, a clock past 2**54),
+   follow and prefix_end return NotImplemented and the Python module runs its
+   own twin; the others raise TypeError or ValueError where the Python might
+   do something else, never crash. merge reads last uses and the threshold as
+   doubles: exact below 2**53, which a clock counting requests never reaches. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -86,6 +89,16 @@ static Py_ssize_t to_size(double x) {
     return (Py_ssize_t)(x > lim ? lim : x < -lim ? -lim : x);
 }
 
+/* each of n objects a dict (an OrderedDict is one), else a TypeError: PyDict_Contains does not check */
+static int need_dicts(const char *name, Py_ssize_t n, PyObject *const *objs) {
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!PyDict_Check(objs[i])) {
+            PyErr_Format(PyExc_TypeError, "%s(): expected an OrderedDict, got %.100s", name, Py_TYPE(objs[i])->tp_name);
+            return -1;
+        }
+    return 0;
+}
+
 static int check_args(Py_ssize_t nargs, Py_ssize_t want, const char *name) {
     if (nargs != want) {
         PyErr_Format(PyExc_TypeError, "%s() takes %zd arguments (%zd given)", name, want, nargs);
@@ -99,7 +112,7 @@ static PyObject *stamp(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 3, "stamp") < 0)
         return NULL;
     PyObject *od = args[0], *now = args[2];
-    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence");
+    PyObject *keys = PySequence_Tuple(args[1]);
     if (keys == NULL)
         return NULL;
     for (Py_ssize_t i = PySequence_Fast_GET_SIZE(keys) - 1; i >= 0; i--) {
@@ -130,9 +143,9 @@ static int renew_keys(PyObject *od, PyObject *keys, PyObject *now, int all) {
 
 /* renew(od, keys, now) */
 static PyObject *renew(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(nargs, 3, "renew") < 0)
+    if (check_args(nargs, 3, "renew") < 0 || need_dicts("renew", 1, args) < 0)
         return NULL;
-    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence");
+    PyObject *keys = PySequence_Tuple(args[1]);
     if (keys == NULL)
         return NULL;
     int r = renew_keys(args[0], keys, args[2], 0);
@@ -144,10 +157,10 @@ static PyObject *renew(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
 
 /* renew_all(od, keys, now) -> bool */
 static PyObject *renew_all(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(nargs, 3, "renew_all") < 0)
+    if (check_args(nargs, 3, "renew_all") < 0 || need_dicts("renew_all", 1, args) < 0)
         return NULL;
     PyObject *od = args[0];
-    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence");
+    PyObject *keys = PySequence_Tuple(args[1]);
     if (keys == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
@@ -169,11 +182,11 @@ static PyObject *renew_all(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
 
 /* touch(keys, order, loose, heads, hubbed, used, now) */
 static PyObject *touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(nargs, 7, "touch") < 0)
+    if (check_args(nargs, 7, "touch") < 0 || need_dicts("touch", 4, args + 1) < 0)
         return NULL;
     PyObject *order = args[1], *loose = args[2], *heads = args[3], *hubbed = args[4];
     PyObject *used = args[5], *now = args[6];
-    PyObject *keys = PySequence_Fast(args[0], "keys must be a sequence");
+    PyObject *keys = PySequence_Tuple(args[0]);
     if (keys == NULL)
         return NULL;
     for (Py_ssize_t i = PySequence_Fast_GET_SIZE(keys) - 1; i >= 0; i--) {
@@ -206,15 +219,19 @@ static Py_ssize_t length(PyObject *o) {
 
 /* drop(victims, order, loose, hubbed, heads, b1, b2, hub_ghosts, recent, branches, c) */
 static PyObject *drop(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(nargs, 11, "drop") < 0)
+    if (check_args(nargs, 11, "drop") < 0 || need_dicts("drop", 9, args + 1) < 0)
         return NULL;
     PyObject *order = args[1], *loose = args[2], *hubbed = args[3], *heads = args[4];
     PyObject *b1 = args[5], *b2 = args[6], *hub_ghosts = args[7], *recent = args[8], *branches = args[9];
     Py_ssize_t c = PyLong_AsSsize_t(args[10]);
     if (c == -1 && PyErr_Occurred())
         return NULL;
+    if (c < 1 || c > PY_SSIZE_T_MAX / 4) {  /* (2c below must not overflow) */
+        PyErr_SetString(PyExc_ValueError, "drop(): the capacity must be a positive size");
+        return NULL;
+    }
     PyObject *branch = NULL;
-    PyObject *victims = PySequence_Fast(args[0], "victims must be a sequence");
+    PyObject *victims = PySequence_Tuple(args[0]);
     if (victims == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(victims);
@@ -373,10 +390,10 @@ static PyObject *merge_rest(Py_ssize_t n, PyObject *const *ods, double p, double
         left += alive[i];
     }
     while (left > 1 && need) {
-        int i = 0, j = 0;
-        for (int x = 1; x < 4; x++)
-            if (eff[x] < eff[i])
-                i = x;  /* the oldest of the four (a tie to the lower order) */
+        int i = -1, j = 0;
+        for (int x = 0; x < 4; x++)
+            if (alive[x] && (i < 0 || eff[x] < eff[i]))
+                i = x;  /* the oldest of the live walks (a tie to the lower order) */
         eff[i] = INFINITY;
         j = i == 0 ? 1 : 0;
         for (int x = 0; x < 4; x++)
@@ -438,7 +455,7 @@ fail:
 
 /* merge(n, loose, order, hubbed, heads, p, q, threshold, hub_off, head_off, own, held, can_evict) */
 static PyObject *merge(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(nargs, 13, "merge") < 0)
+    if (check_args(nargs, 13, "merge") < 0 || need_dicts("merge", 4, args + 1) < 0)
         return NULL;
     Py_ssize_t n = PyLong_AsSsize_t(args[0]);
     if (n == -1 && PyErr_Occurred())
@@ -453,8 +470,8 @@ static PyObject *merge(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     double p = v[0], q = v[1], threshold = v[2];
     double offset[4] = {0.0, 0.0, v[3], v[4]};
     PyObject *own = args[10], *held = args[11], *can_evict = args[12], *hubbed = ods[2];
-    if (!isfinite(p) || !isfinite(q)) {
-        PyErr_SetString(PyExc_ValueError, "merge: p and q must be finite");
+    if (!isfinite(p) || !isfinite(q) || !isfinite(v[3]) || !isfinite(v[4])) {
+        PyErr_SetString(PyExc_ValueError, "merge: p, q and the offsets must be finite");
         return NULL;
     }
     Py_ssize_t size = PyObject_Length(hubbed);
@@ -651,13 +668,13 @@ static int shadow_keys(PyObject *sim, PyObject **keys, Py_ssize_t m, int hit, Py
 
 /* shadow(sim, keys, hit, cap, counting) -> (ours, lru) */
 static PyObject *shadow(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
-    if (check_args(nargs, 5, "shadow") < 0)
+    if (check_args(nargs, 5, "shadow") < 0 || need_dicts("shadow", 1, args) < 0)
         return NULL;
     int hit = PyObject_IsTrue(args[2]), counting = PyObject_IsTrue(args[4]);
     Py_ssize_t cap = PyLong_AsSsize_t(args[3]);
     if (hit < 0 || counting < 0 || (cap == -1 && PyErr_Occurred()))
         return NULL;
-    PyObject *keys = PySequence_Fast(args[1], "keys must be a sequence");
+    PyObject *keys = PySequence_Tuple(args[1]);
     if (keys == NULL)
         return NULL;
     long long ours = 0, lru = 0;
@@ -713,16 +730,17 @@ static PyObject *follow(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *episodes = args[7], *live = args[8], *dist = args[9], *met = args[10], *sim = args[11];
     PyObject *bin_of = args[14];
     if (cls < 0 || cls > 1 || low < 0 || low > 8 || k < low || k > 8 || s < 0 || s > 8 || !PyDict_Check(episodes)
-        || !PyTuple_Check(dist) || PyTuple_GET_SIZE(dist) != 2 || !PyBytes_Check(bin_of) || PyBytes_GET_SIZE(bin_of) < 1) {
+        || !PySequence_Check(dist) || PySequence_Size(dist) != 2 || !PyBytes_Check(bin_of) || PyBytes_GET_SIZE(bin_of) < 1
+        || !PyDict_Check(sim)) {
         PyErr_SetString(PyExc_ValueError, "follow: bad arguments");
         return NULL;
     }
-    PyObject *seq = PySequence_Fast(args[0], "keys must be a sequence");
+    PyObject *seq = PySequence_Tuple(args[0]);
     if (seq == NULL)
         return NULL;
     Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
     PyObject **keys = PySequence_Fast_ITEMS(seq);
-    PyObject **pick = NULL;
+    PyObject **pick = NULL, **cand = NULL;
     unsigned char *hb = NULL;
     long long *ended = NULL, ours = 0, lru = 0, started = 0;
     if (n == 0) {
@@ -730,22 +748,44 @@ static PyObject *follow(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
         return Py_BuildValue("(iii)", 0, 0, 0);
     }
     Py_ssize_t size = PyBytes_Check(keys[0]) ? PyBytes_GET_SIZE(keys[0]) : 0;
-    if (size < 5)
+    if (size < 5 || now < 0 || now >= (1LL << 54))  /* ((now << 8) must fit) */
         goto python;
     for (Py_ssize_t i = 0; i < n; i++)
         if (!PyBytes_Check(keys[i]) || PyBytes_GET_SIZE(keys[i]) != size)
             goto python;
     hb = PyMem_Malloc(n);
     pick = PyMem_Malloc(n * sizeof(PyObject *));
+    cand = PyMem_Malloc(n * sizeof(PyObject *));
     ended = PyMem_Malloc(n * sizeof(long long));
-    if (hb == NULL || pick == NULL || ended == NULL) {
+    if (hb == NULL || pick == NULL || cand == NULL || ended == NULL) {
         PyErr_NoMemory();
         goto fail;
     }
     for (Py_ssize_t i = 0; i < n; i++)
         hb[i] = (unsigned char)PyBytes_AS_STRING(keys[i])[size - 5];
+    /* the keys that end episodes (the lowest live rate's sample), checked before anything changes: an
+       episode that is not an int of this clock's past goes to the Python twin, whatever it makes of it */
+    unsigned mask = (1u << low) - 1;
+    Py_ssize_t nc = 0;
+    for (Py_ssize_t i = 0; i < n; i++)
+        if (!(hb[i] & mask))
+            cand[nc++] = keys[i];
+    for (Py_ssize_t i = 0; i < nc; i++) {
+        PyObject *v = PyDict_GetItemWithError(episodes, cand[i]);
+        if (v == NULL) {
+            if (PyErr_Occurred())
+                goto fail;
+            continue;
+        }
+        long long e;
+        int r = as_ll(v, &e);
+        if (r < 0)
+            goto fail;
+        if (r == 0 || e < 0 || (e >> 8) > now || ((e >> 1) & 127) > 62)
+            goto python;
+    }
     /* the shadow LRU's sample */
-    unsigned mask = (1u << s) - 1;
+    mask = (1u << s) - 1;
     Py_ssize_t np = 0;
     for (Py_ssize_t i = 0; i < n; i++)
         if (!(hb[i] & mask))
@@ -753,23 +793,18 @@ static PyObject *follow(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     if (np && shadow_keys(sim, pick, np, hit, sim_cap, counting, &ours, &lru) < 0)
         goto fail;
     /* episodes: the lowest live rate's sample ends them, class cls's starts them */
-    mask = (1u << low) - 1;
-    Py_ssize_t nc = 0;
-    for (Py_ssize_t i = 0; i < n; i++)
-        if (!(hb[i] & mask))
-            pick[nc++] = keys[i];
     if (nc == 0)
         goto done;
     Py_ssize_t ne = 0;
     for (Py_ssize_t i = 0; i < nc; i++) {
-        PyObject *v = PyDict_GetItemWithError(episodes, pick[i]);
+        PyObject *v = PyDict_GetItemWithError(episodes, cand[i]);  /* (a key twice: found once) */
         if (v == NULL) {
             if (PyErr_Occurred())
                 goto fail;
             continue;
         }
         long long e = PyLong_AsLongLong(v);
-        if ((e == -1 && PyErr_Occurred()) || PyDict_DelItem(episodes, pick[i]) < 0)
+        if ((e == -1 && PyErr_Occurred()) || PyDict_DelItem(episodes, cand[i]) < 0)
             goto fail;
         ended[ne++] = e;
     }
@@ -798,28 +833,32 @@ static PyObject *follow(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     for (Py_ssize_t i = 0; i < ne; i++) {
         long long e = ended[i], d = now - (e >> 8);
         long ek = (long)((e >> 1) & 127);
-        if (d < 0 || ek > 62) {
-            PyErr_SetString(PyExc_ValueError, "follow: an episode from the future");
-            goto fail;
-        }
         Py_ssize_t b = bins[d < last ? d : last];
         double w = (double)(1LL << ek);
-        PyObject *h = PyTuple_GET_ITEM(dist, e & 1);
-        if (add_int(live, ek, -1) < 0 || add_float(h, b, w) < 0 || add_float(met, b, w) < 0)
+        PyObject *h = PySequence_GetItem(dist, e & 1);
+        int bad = h == NULL || add_int(live, ek, -1) < 0 || add_float(h, b, w) < 0 || add_float(met, b, w) < 0;
+        Py_XDECREF(h);
+        if (bad)
             goto fail;
     }
 done:
     PyMem_Free(hb);
     PyMem_Free(pick);
+    PyMem_Free(cand);
     PyMem_Free(ended);
     Py_DECREF(seq);
     return Py_BuildValue("(LLL)", started, ours, lru);
 python:
+    PyMem_Free(hb);
+    PyMem_Free(pick);
+    PyMem_Free(cand);
+    PyMem_Free(ended);
     Py_DECREF(seq);
     Py_RETURN_NOTIMPLEMENTED;
 fail:
     PyMem_Free(hb);
     PyMem_Free(pick);
+    PyMem_Free(cand);
     PyMem_Free(ended);
     Py_DECREF(seq);
     return NULL;

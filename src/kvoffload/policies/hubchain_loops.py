@@ -294,6 +294,9 @@ def shadow(sim: OrderedDict, keys: list[bytes], hit: bool, cap: int, counting: b
     return ours, lru
 
 
+_python_shadow = shadow  # (follow's own: `shadow` below may become the C twin's)
+
+
 def follow(keys: list[bytes], cls: int, hit: bool, now: int, low: int, k: int, s: int, episodes: dict,
            live: list[int], dist: tuple[list[float], list[float]], met: list[float], sim: OrderedDict,
            sim_cap: int, counting: bool, bin_of: bytes) -> tuple[int, int, int]:
@@ -312,11 +315,11 @@ def follow(keys: list[bytes], cls: int, hit: bool, now: int, low: int, k: int, s
     ours = lru = 0
     if not s:
         if keys:
-            ours, lru = shadow(sim, keys, hit, sim_cap, counting)
+            ours, lru = _python_shadow(sim, keys, hit, sim_cap, counting)
     else:
         picked = hashed.translate(SAMPLE_TABLES[s])
         if 1 in picked:
-            ours, lru = shadow(sim, list(compress(keys, picked)), hit, sim_cap, counting)
+            ours, lru = _python_shadow(sim, list(compress(keys, picked)), hit, sim_cap, counting)
     if low:
         sampled = hashed.translate(SAMPLE_TABLES[low])
         if 1 not in sampled:  # (most calls: none followed, so none starts either)
