@@ -309,9 +309,13 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-@pytest.mark.parametrize("spec", ["cpu", "tiered"])
+@pytest.mark.parametrize("spec", ["cpu", "tiered", "cpu-hubchain"])
 def test_vllm_scheduler_and_connector_drive_our_spec(spec, async_scheduling, model_dir, tmp_path):
-    extra = {"kvoffload_spec": spec}
+    # cpu-hubchain: the CPU tier under hubchain, whose admit, access and loops (C where built) vLLM's
+    # scheduler then drives through preemptions, aborts and resets
+    extra = {"kvoffload_spec": spec.split("-")[0]}
+    if spec == "cpu-hubchain":
+        extra["eviction_policy"] = "hubchain"
     if spec == "tiered":
         extra["secondary_tiers"] = [{"type": "storage", "path": str(tmp_path / "kv"),
                                      "capacity_bytes": "1MiB"}]
@@ -346,6 +350,7 @@ def test_vllm_scheduler_and_connector_drive_our_spec(spec, async_scheduling, mod
             check_slots(engine, f"step {engine.steps}" + (f" (last reset at {last_reset})" if last_reset else ""))
         assert added == len(todo) and resets == RESETS and aborted > 0 and engine.preemptions > 0
         assert engine.saw_loads and engine.saw_full_cpu  # the workload reached both
+        assert cpu_tier(engine.manager).policy.name == ("hubchain" if spec == "cpu-hubchain" else "lru")
         assert engine.saw_promotions or spec != "tiered"  # and the storage tier served CPU
 
         # Drained: vLLM has no job in flight; ours must hold nothing for it.
