@@ -115,8 +115,8 @@ static PyObject *stamp(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *keys = PySequence_Tuple(args[1]);
     if (keys == NULL)
         return NULL;
-    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(keys) - 1; i >= 0; i--) {
-        if (PyObject_SetItem(od, PySequence_Fast_GET_ITEM(keys, i), now) < 0) {
+    for (Py_ssize_t i = PyTuple_GET_SIZE(keys) - 1; i >= 0; i--) {
+        if (PyObject_SetItem(od, PyTuple_GET_ITEM(keys, i), now) < 0) {
             Py_DECREF(keys);
             return NULL;
         }
@@ -126,8 +126,8 @@ static PyObject *stamp(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
 }
 
 static int renew_keys(PyObject *od, PyObject *keys, PyObject *now, int all) {
-    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(keys) - 1; i >= 0; i--) {
-        PyObject *k = PySequence_Fast_GET_ITEM(keys, i);
+    for (Py_ssize_t i = PyTuple_GET_SIZE(keys) - 1; i >= 0; i--) {
+        PyObject *k = PyTuple_GET_ITEM(keys, i);
         if (!all) {
             int r = PyDict_Contains(od, k);
             if (r < 0)
@@ -163,9 +163,9 @@ static PyObject *renew_all(PyObject *m, PyObject *const *args, Py_ssize_t nargs)
     PyObject *keys = PySequence_Tuple(args[1]);
     if (keys == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(keys);
+    Py_ssize_t n = PyTuple_GET_SIZE(keys);
     for (Py_ssize_t i = 0; i < n; i++) {
-        int r = PyDict_Contains(od, PySequence_Fast_GET_ITEM(keys, i));
+        int r = PyDict_Contains(od, PyTuple_GET_ITEM(keys, i));
         if (r <= 0) {
             Py_DECREF(keys);
             if (r < 0)
@@ -189,8 +189,8 @@ static PyObject *touch(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *keys = PySequence_Tuple(args[0]);
     if (keys == NULL)
         return NULL;
-    for (Py_ssize_t i = PySequence_Fast_GET_SIZE(keys) - 1; i >= 0; i--) {
-        PyObject *k = PySequence_Fast_GET_ITEM(keys, i);
+    for (Py_ssize_t i = PyTuple_GET_SIZE(keys) - 1; i >= 0; i--) {
+        PyObject *k = PyTuple_GET_ITEM(keys, i);
         int r;
         if ((r = PyDict_Contains(order, k)) != 0) {
             if (r < 0 || PyObject_SetItem(order, k, used) < 0 || move_to_end(order, k) < 0)
@@ -213,10 +213,6 @@ fail:
     return NULL;
 }
 
-static Py_ssize_t length(PyObject *o) {
-    return PyObject_Length(o);
-}
-
 /* drop(victims, order, loose, hubbed, heads, b1, b2, hub_ghosts, recent, branches, c) */
 static PyObject *drop(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     if (check_args(nargs, 11, "drop") < 0 || need_dicts("drop", 9, args + 1) < 0)
@@ -234,9 +230,9 @@ static PyObject *drop(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *victims = PySequence_Tuple(args[0]);
     if (victims == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(victims);
+    Py_ssize_t n = PyTuple_GET_SIZE(victims);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *k = PySequence_Fast_GET_ITEM(victims, i);
+        PyObject *k = PyTuple_GET_ITEM(victims, i);
         int r;
         if ((r = pop(order, k)) != 0) {
             if (r < 0 || PyObject_SetItem(b2, k, Py_None) < 0)
@@ -257,29 +253,25 @@ static PyObject *drop(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
         }
     }
     for (Py_ssize_t i = 0; i < n; i++)
-        if (PyObject_SetItem(recent, PySequence_Fast_GET_ITEM(victims, i), Py_None) < 0)
+        if (PyObject_SetItem(recent, PyTuple_GET_ITEM(victims, i), Py_None) < 0)
             goto fail;
-    Py_ssize_t size = length(branches);
-    if (size < 0)
-        goto fail;
-    if (size)
+    /* (every argument is a dict here: need_dicts) */
+    if (PyDict_GET_SIZE(branches))
         for (Py_ssize_t i = 0; i < n; i++)
-            if (pop(branches, PySequence_Fast_GET_ITEM(victims, i)) < 0)
+            if (pop(branches, PyTuple_GET_ITEM(victims, i)) < 0)
                 goto fail;
-    if ((size = length(recent)) < 0 || (size > c && pop_oldest(recent, size - c) < 0))
+    if (PyDict_GET_SIZE(recent) > c && pop_oldest(recent, PyDict_GET_SIZE(recent) - c) < 0)
         goto fail;
     /* ARC's bounds */
-    Py_ssize_t n_order = length(order), n_loose = length(loose), n_hubbed = length(hubbed);
-    Py_ssize_t n_heads = length(heads), n_b1 = length(b1), n_b2 = length(b2);
-    if (n_order < 0 || n_loose < 0 || n_hubbed < 0 || n_heads < 0 || n_b1 < 0 || n_b2 < 0)
-        goto fail;
+    Py_ssize_t n_loose = PyDict_GET_SIZE(loose), n_b1 = PyDict_GET_SIZE(b1), n_b2 = PyDict_GET_SIZE(b2);
+    Py_ssize_t resident = PyDict_GET_SIZE(order) + n_loose + PyDict_GET_SIZE(hubbed) + PyDict_GET_SIZE(heads);
     Py_ssize_t over = n_loose + n_b1 - c < n_b1 ? n_loose + n_b1 - c : n_b1;
     if (over > 0) {
         if (pop_oldest(b1, over) < 0)
             goto fail;
         n_b1 -= over;
     }
-    over = n_order + n_loose + n_hubbed + n_heads + n_b1 + n_b2 - 2 * c;
+    over = resident + n_b1 + n_b2 - 2 * c;
     if (over > 0) {
         Py_ssize_t from2 = over < n_b2 ? over : n_b2, from1 = over - from2 < n_b1 ? over - from2 : n_b1;
         if (pop_oldest(b2, from2) < 0 || pop_oldest(b1, from1) < 0)
@@ -289,7 +281,7 @@ static PyObject *drop(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
         for (Py_ssize_t i = 0; i < PyList_GET_SIZE(branch); i++)
             if (pop(b1, PyList_GET_ITEM(branch, i)) < 0)
                 goto fail;
-        if ((size = length(hub_ghosts)) < 0 || (size > c && pop_oldest(hub_ghosts, size - c) < 0))
+        if (PyDict_GET_SIZE(hub_ghosts) > c && pop_oldest(hub_ghosts, PyDict_GET_SIZE(hub_ghosts) - c) < 0)
             goto fail;
         Py_DECREF(branch);
     }
@@ -355,10 +347,7 @@ static PyObject *merge_rest(Py_ssize_t n, PyObject *const *ods, double p, double
         if ((w[i].it = PyObject_GetIter(ods[i])) == NULL)
             goto fail;
     }
-    Py_ssize_t size = PyObject_Length(ods[0]);
-    if (size < 0)
-        goto fail;
-    Py_ssize_t over = size - to_size(p);
+    Py_ssize_t over = PyDict_GET_SIZE(ods[0]) - to_size(p);
     if (over > 0) {  /* the loose order over its target: its oldest first */
         Py_ssize_t first = n < over ? n : over;
         for (;;) {
@@ -474,10 +463,7 @@ static PyObject *merge(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_ValueError, "merge: p, q and the offsets must be finite");
         return NULL;
     }
-    Py_ssize_t size = PyObject_Length(hubbed);
-    if (size < 0)
-        return NULL;
-    Py_ssize_t over = size - to_size(q);
+    Py_ssize_t over = PyDict_GET_SIZE(hubbed) - to_size(q);
     if (over <= 0)
         return merge_rest(n, ods, p, threshold, offset, own, held, can_evict);
     Py_ssize_t first = n < over ? n : over;
@@ -660,9 +646,7 @@ static int shadow_keys(PyObject *sim, PyObject **keys, Py_ssize_t m, int hit, Py
     for (Py_ssize_t i = m - 1; i >= 0; i--)
         if (PyObject_SetItem(sim, keys[i], Py_None) < 0)
             return -1;
-    Py_ssize_t size = PyObject_Length(sim);
-    if (size < 0)
-        return -1;
+    Py_ssize_t size = PyDict_GET_SIZE(sim);  /* (a dict: shadow and follow check) */
     return size > cap ? pop_oldest(sim, size - cap) : 0;
 }
 
@@ -678,7 +662,7 @@ static PyObject *shadow(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     if (keys == NULL)
         return NULL;
     long long ours = 0, lru = 0;
-    int r = shadow_keys(args[0], PySequence_Fast_ITEMS(keys), PySequence_Fast_GET_SIZE(keys), hit, cap, counting,
+    int r = shadow_keys(args[0], &PyTuple_GET_ITEM(keys, 0), PyTuple_GET_SIZE(keys), hit, cap, counting,
                         &ours, &lru);
     Py_DECREF(keys);
     if (r < 0)
@@ -738,8 +722,8 @@ static PyObject *follow(PyObject *m, PyObject *const *args, Py_ssize_t nargs) {
     PyObject *seq = PySequence_Tuple(args[0]);
     if (seq == NULL)
         return NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **keys = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t n = PyTuple_GET_SIZE(seq);
+    PyObject **keys = &PyTuple_GET_ITEM(seq, 0);
     PyObject **pick = NULL, **cand = NULL;
     unsigned char *hb = NULL;
     long long *ended = NULL, ours = 0, lru = 0, started = 0;
