@@ -38,6 +38,11 @@ from kvoffload.tiers.remote.connection import Backoff
     ({"connect_timeout_s": float("inf")}, "remote.connect_timeout_s"),
     ({"socket_timeout_s": 1e300}, "remote.socket_timeout_s"),
     ({"lookup_cache_s": float("inf")}, "remote.lookup_cache_s"),
+    ({"min_transfer_mib_s": -1}, "remote.min_transfer_mib_s"),
+    ({"min_transfer_mib_s": float("nan")}, "remote.min_transfer_mib_s"),
+    ({"min_transfer_mib_s": float("inf")}, "remote.min_transfer_mib_s"),
+    ({"min_transfer_mib_s": "fast"}, "remote.min_transfer_mib_s"),
+    ({"min_transfer_mib_s": True}, "remote.min_transfer_mib_s"),
     ({"ttl_s": 10**16}, "remote.ttl_s"),  # Redis would refuse every SET
 ])
 def test_bad_values_name_the_key(bad, key):

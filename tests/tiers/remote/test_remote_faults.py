@@ -221,3 +221,98 @@ def test_error_reply_to_exists_is_a_miss_by_the_deadline(fresh_server, prefix, c
     finally:
         admin.close()
         tier.shutdown()
+
+
+class _Trickle:
+    """A TCP proxy in front of the server. Requests pass at once; replies too,
+    until `slow` is set: then 16 bytes per 50 ms (320 B/s), so no single
+    receive ever waits a whole socket timeout (a congested or half-dead link)."""
+
+    def __init__(self, server_port: int):
+        import socket
+        import threading
+
+        self.slow = threading.Event()
+        self._closed = threading.Event()
+        self._socks: list = []
+        self._listen = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listen.getsockname()[1]
+        threading.Thread(target=self._accept, args=(server_port,), daemon=True).start()
+
+    def _accept(self, server_port: int) -> None:
+        import socket
+        import threading
+
+        while not self._closed.is_set():
+            try:
+                client, _ = self._listen.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", server_port))
+            self._socks += [client, server]
+            threading.Thread(target=self._pump, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client, True), daemon=True).start()
+
+    def _pump(self, src, dst, replies: bool) -> None:
+        try:
+            while True:
+                data = src.recv(1 << 16)
+                if not data:
+                    break
+                while data:
+                    if replies and self.slow.is_set():
+                        dst.sendall(data[:16])
+                        data = data[16:]
+                        time.sleep(0.05)
+                    else:
+                        dst.sendall(data)
+                        data = b""
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self._closed.set()
+        self._listen.close()
+        for s in self._socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+@pytest.mark.timeout(300)
+def test_a_trickling_link_fails_the_load_by_its_deadline(fresh_server, prefix):
+    """A link that still delivers a few bytes at a time never lets one receive
+    time out: without a deadline per round this 256 KiB load would take about
+    800 s. With min_transfer_mib_s it fails as a network error (back-off,
+    counted) within about socket_timeout_s of its deadline, and loads work
+    again once the link is healthy."""
+    srv = fresh_server.start()
+    proxy = _Trickle(srv.port)
+    tier, m, w, pool = make_tier(f"redis://127.0.0.1:{proxy.port}/0", prefix, num_chunks=4, chunk_bytes=256 << 10,
+                                 socket_timeout_s=2.0, min_transfer_mib_s=16.0, backoff_initial_s=0.02,
+                                 backoff_max_s=0.2)
+    try:
+        keys = keys_for(1, seed=51)
+        fill(pool, [0], seed=51)
+        assert store(m, w, keys, [0])
+        assert lookup(m, keys[0]) is LookupResult.HIT
+        proxy.slow.set()
+        t0 = time.monotonic()
+        assert not load(m, w, keys, [1])
+        took = time.monotonic() - t0
+        assert took < 60.0, took  # about 2-4 s here; the trickle itself needs about 800 s
+        stats = m.get_stats()
+        assert stats.counters["load_failures"] >= 1 and not undeclared(stats)
+        proxy.slow.clear()
+        wait_until(lambda: load(m, w, keys, [2]), "a load once the link is healthy")
+        assert np.array_equal(pool.array[2], pool.array[0])
+    finally:
+        tier.shutdown()
+        proxy.close()

@@ -32,6 +32,10 @@ class RemoteConfig:
     cluster: bool = False  # Redis Cluster (redis.cluster.RedisCluster)
     connect_timeout_s: float = 1.0
     socket_timeout_s: float = 2.0  # per send/receive call: a stalled transfer takes up to 2-3x (docs/REMOTE.md)
+    # A GET/SET round slower than this fails (its deadline: socket_timeout_s + its bytes at this rate): a
+    # link that trickles bytes never lets one call time out. 0: no deadline. At 16 MiB/s a load is far
+    # slower than recomputing its blocks, so a healthy link never comes near it.
+    min_transfer_mib_s: float = 16.0
     ttl_s: int | None = None  # SET ... EX ttl_s; None leaves expiry to the server
     lookup_cache_s: float = 2.0  # how long a "present" answer is trusted
     miss_cache_s: float = 0.25  # how long an "absent" answer is trusted (short: other engines store)
@@ -85,6 +89,9 @@ class RemoteConfig:
         for key in ("lookup_cache_s", "miss_cache_s", "lookup_coalesce_s", "lookup_deadline_s", "backoff_initial_s",
                     "backoff_max_s"):
             seconds(getattr(self, key), f"remote.{key}")
+        rate = self.min_transfer_mib_s
+        if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < float("inf"):
+            raise ConfigError(f"remote.min_transfer_mib_s must be a number >= 0 (0: no deadline), got {rate!r}")
         if self.ttl_s is not None:
             positive_int(self.ttl_s, "remote.ttl_s")
             if self.ttl_s > MAX_TTL_S:  # every store would fail ("invalid expire time"), counted, unlogged

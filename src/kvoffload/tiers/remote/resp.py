@@ -22,6 +22,9 @@ remote.socket_timeout_s, without Python's poll() before each recv, and
 MSG_WAITALL can fill a whole value in one call. The bound is per call:
 a timed-out call returns what it got and the loop calls again, so a
 stalled transfer gives up after 2-3 timeouts (documented in docs/REMOTE.md).
+A link that keeps trickling bytes never lets a call time out, so each
+GET/SET round also has a deadline (remote.min_transfer_mib_s): the loops
+check it between calls and raise TimeoutError once it has passed.
 
 Callers must treat any exception as "connection state unknown" and close.
 """
@@ -31,6 +34,7 @@ from __future__ import annotations
 import socket
 import ssl
 import struct
+import time
 
 from kvoffload.tiers.remote.value import (  # noqa: F401 - the statuses are part of this module's API
     BAD_MAC,
@@ -71,8 +75,13 @@ def _kernel_timeouts(sock: socket.socket, timeout_s: float | None) -> None:
 
 
 class RawConnection:
-    def __init__(self, conn, codec: ValueCodec | None = None):
+    def __init__(self, conn, codec: ValueCodec | None = None, min_rate: float = 0.0, slack_s: float = 0.0):
+        """min_rate (bytes/s, 0: no deadline) and slack_s set each round's
+        deadline: slack_s + its bytes / min_rate from its start."""
         self.codec = codec or ValueCodec()
+        self._min_rate = min_rate
+        self._slack_s = slack_s
+        self._deadline = float("inf")
         conn.connect()  # redis-py: TCP/unix/TLS, AUTH/ACL, SELECT
         self.conn = conn
         self.sock: socket.socket = _socket_of(conn)
@@ -95,15 +104,30 @@ class RawConnection:
         except Exception:  # noqa: BLE001 - closing a broken socket may fail; nothing to do
             pass
 
+    # -- the round's deadline ---------------------------------------------
+    def _start_round(self, nbytes: int) -> None:
+        if self._min_rate:
+            self._deadline = time.monotonic() + self._slack_s + nbytes / self._min_rate
+
+    def _on_time(self) -> None:
+        """Raise once the round's deadline has passed (called between socket
+        calls: each call is bounded by the socket timeout, so a round ends at
+        most one timeout after its deadline)."""
+        if time.monotonic() > self._deadline:
+            raise TimeoutError(f"transfer slower than {self._min_rate / (1 << 20):g} MiB/s "
+                               f"(remote.min_transfer_mib_s): the link is stalled or trickling")
+
     # -- sending --------------------------------------------------------
     def _send(self, pieces: list) -> None:
         if not self._scatter:
             for p in pieces:
+                self._on_time()
                 self.sock.sendall(p)
             return
         views = [memoryview(p).cast("B") for p in pieces]
         i = 0
         while i < len(views):
+            self._on_time()
             sent = self.sock.sendmsg(views[i : i + _IOV_MAX])
             # skip whole buffers sent, then trim a partly sent one
             while i < len(views) and sent >= len(views[i]):
@@ -125,6 +149,7 @@ class RawConnection:
                 n = self._w - self._r
                 self._buf[:n] = self._buf[self._r : self._w]
                 self._r, self._w = 0, n
+        self._on_time()
         got = self.sock.recv_into(self._mv[self._w : self._w + _READAHEAD])
         if got == 0:
             raise ConnectionError("server closed the connection")
@@ -152,6 +177,7 @@ class RawConnection:
                 rest.append(dst[take:])
         if self._scatter:
             while rest:
+                self._on_time()
                 got = self.sock.recvmsg_into(rest, 0, socket.MSG_WAITALL)[0]
                 if got == 0:
                     raise ConnectionError("server closed the connection mid-value")
@@ -163,6 +189,7 @@ class RawConnection:
         for dst in rest:
             take = 0
             while take < len(dst):
+                self._on_time()
                 got = self.sock.recv_into(dst[take:])
                 if got == 0:
                     raise ConnectionError("server closed the connection mid-value")
@@ -174,6 +201,7 @@ class RawConnection:
         self._r += take
         n -= take
         while n:
+            self._on_time()
             got = self.sock.recv_into(self._mv[: min(n, len(self._buf))])
             if got == 0:
                 raise ConnectionError("server closed the connection mid-value")
@@ -187,6 +215,7 @@ class RawConnection:
         the server answered OK (False: e.g. OOM under maxmemory noeviction)."""
         tail = b"\r\n" if ttl_s is None else b"\r\n$2\r\nEX\r\n$%d\r\n%d\r\n" % (len(str(ttl_s)), ttl_s)
         argc = b"*3" if ttl_s is None else b"*5"
+        self._start_round(sum(map(len, payloads)))
         pieces: list = []
         pending = b""
         header = self.codec.header
@@ -214,6 +243,7 @@ class RawConnection:
         and at most about batch_bytes of replies are outstanding (the same
         depth as a store round's)."""
         window_bytes = max(1, batch_bytes // 2)
+        self._start_round(sum(map(len, dsts)))
         windows = []
         start, size = 0, 0
         for i, d in enumerate(dsts):

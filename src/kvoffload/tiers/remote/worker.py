@@ -277,11 +277,12 @@ class RemoteTierWorker(TierWorker):
 
     def _connect(self, node) -> RawConnection:
         pool = self._client.connection_pool if node is None else self._client.get_redis_connection(node).connection_pool
-        return RawConnection(pool.make_connection(), self._codec)
+        return RawConnection(pool.make_connection(), self._codec, self._cfg.min_transfer_mib_s * (1 << 20),
+                             self._cfg.socket_timeout_s)
 
     def _refresh_topology(self) -> None:
         with self._topology_lock:
             try:
                 self._client.nodes_manager.initialize()
-            except (redis.RedisError, OSError) as e:
+            except (redis.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
                 log.warning("remote: cluster topology refresh failed: %s", e)
