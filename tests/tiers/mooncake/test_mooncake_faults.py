@@ -207,3 +207,32 @@ def test_a_key_not_bytes_does_not_fail_the_keys_checked_with_it(mooncake, prefix
         assert lookup(m, "not bytes") is LookupResult.MISS
     finally:
         tier.shutdown()
+
+
+def test_a_lookup_the_master_answers_does_not_end_the_back_off_of_a_node_that_is_down(fresh_mooncake, prefix):
+    """The master answers lookups while the store node holding the values is
+    stopped. That success must not end the transfers' back-off: with one
+    back-off for both, each answered lookup reset it, the tier reported the
+    server up, and every load that followed paid a whole transfer timeout."""
+    srv = fresh_mooncake.start()
+    tier, m, w, pool = make_tier(srv, prefix, num_chunks=8, chunk_bytes=16 << 10, backoff_initial_s=0.05,
+                                 backoff_max_s=0.2, lookup_cache_s=0.01, miss_cache_s=0.01)
+    try:
+        keys = keys_for(2, seed=37)
+        fill(pool, range(2), seed=37)
+        assert store(m, w, keys, [0, 1])
+        pause(srv.node)
+        try:
+            assert not load(m, w, keys, [2, 3])  # the node does not answer: the transfer times out
+            assert m.get_stats().gauges["server_up"] == 0.0
+            # once the back-off has passed, the master answers: the blocks are there
+            wait_until(lambda: lookup(m, keys[0]) is LookupResult.HIT, "the master's answer")
+            stats = m.get_stats()
+            assert stats.gauges["server_up"] == 0.0  # was 1.0: the lookup had ended the one back-off
+            assert tier.state.transfer_backoff.failures >= 1 and tier.state.backoff.failures == 0
+        finally:
+            resume(srv.node)
+        wait_until(lambda: load(m, w, keys, [2, 3]), "a load once the node runs again")
+        assert m.get_stats().gauges["server_up"] == 1.0
+    finally:
+        tier.shutdown()

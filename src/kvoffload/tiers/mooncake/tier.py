@@ -44,7 +44,7 @@ class MooncakeTier(SecondaryTier):
         self.enable_events = enable_events
         self.keyspace = MooncakeKeySpace(self.config.key_prefix, namespace)
         self.codec = ValueCodec(self.config.load_mac_key(), self.config.mac_algorithm)  # before connecting
-        self.state = SharedState(self.config)
+        self.state = SharedState(self.config, separate_transfers=True)  # lookups ask the master, transfers the nodes
         self.client = open_store(self.config)
         self._manager: MooncakeOffloadingManager | None = None
         self._worker: MooncakeTierWorker | None = None

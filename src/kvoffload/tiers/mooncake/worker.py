@@ -120,7 +120,7 @@ class MooncakeTierWorker(RemoteTierWorker):
         if job.is_store:
             return self._move_store(job, slots, spec, headers_made)
         c = self._state.counters
-        backoff = self._state.backoff
+        backoff = self._state.transfer_backoff
         if not backoff.available():
             c.add("load_failures", len(slots))
             return self._part_done(job, len(slots), False)
@@ -135,7 +135,7 @@ class MooncakeTierWorker(RemoteTierWorker):
 
     def _fetch_rounds(self, job: _Job, slots: list[int], spec) -> None:
         c = self._state.counters
-        backoff = self._state.backoff
+        backoff = self._state.transfer_backoff
         n = self._per_round
         starts = range(0, len(slots), n)
         part = _Part(job, len(slots), len(starts))  # a piece per round; more for a last round split up
@@ -195,7 +195,7 @@ class MooncakeTierWorker(RemoteTierWorker):
         if q is not self._stores:
             return super()._enqueue(q, items)
         for job, slots, spec in items:  # queued for the IO threads once their headers are made
-            if not slots or not self._state.backoff.available():  # the IO thread fails it unhashed
+            if not slots or not self._state.transfer_backoff.available():  # the IO thread fails it unhashed
                 super()._enqueue(q, [(job, slots, spec, False)])
                 continue
             with self._cond:  # the only store in flight: the IO threads wait for its headers, nothing overlaps
@@ -235,7 +235,7 @@ class MooncakeTierWorker(RemoteTierWorker):
     def _store(self, slots: list[int], spec, headers_made: bool) -> bool:
         """Each round put from its slots, one buffer (chunk + trailer) per key."""
         c = self._state.counters
-        backoff = self._state.backoff
+        backoff = self._state.transfer_backoff
         if not backoff.available():
             c.add("store_failures", len(slots))
             return False

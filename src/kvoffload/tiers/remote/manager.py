@@ -132,7 +132,7 @@ class RemoteOffloadingManager(OffloadingManager):
             c["misses"] += 1
             c["lookup_timeouts"] += 1
             return MISS
-        if not self._state.backoff.available():
+        if not self._state.available():
             c["misses"] += 1
             return MISS
         busy = self._checker.busy_since
@@ -167,7 +167,7 @@ class RemoteOffloadingManager(OffloadingManager):
         caller that knows a request's whole prefix gets it in one round
         trip instead of one per block."""
         self._drain()
-        if not self._state.backoff.available():
+        if not self._state.available():
             return
         now = _now()
         give_up = now + self._cfg.lookup_deadline_s
@@ -187,7 +187,7 @@ class RemoteOffloadingManager(OffloadingManager):
 
     def prepare_store(self, keys: Collection[OffloadKey], req_context: ReqContext) -> PrepareStoreOutput | None:
         self._drain()
-        if not self._state.backoff.available():
+        if not self._state.available():
             # the caller counts the drop (dropped_stores); we count why
             self._c["stores_refused"] = self._c.get("stores_refused", 0) + len(keys)
             return None
@@ -241,14 +241,15 @@ class RemoteOffloadingManager(OffloadingManager):
             if v:
                 counters[k] = counters.get(k, 0) + v
                 self._c[k] = 0
-        backoff = self._state.backoff
-        if backoff.reconnects != self._reconnects_seen:
-            counters["reconnects"] = backoff.reconnects - self._reconnects_seen
-            self._reconnects_seen = backoff.reconnects
+        state = self._state
+        reconnects = state.reconnects
+        if reconnects != self._reconnects_seen:
+            counters["reconnects"] = reconnects - self._reconnects_seen
+            self._reconnects_seen = reconnects
         gauges = {
             "queue_depth": len(self._checking) + self._state.worker_queue_blocks,
             "known_present": len(self._present),
-            "server_up": 0.0 if backoff.is_down else 1.0,
+            "server_up": 0.0 if state.is_down else 1.0,
         }
         return OffloadingStats(tier=self.name, medium=self.medium, locality=self.locality,
                                counters=counters, gauges=gauges)
