@@ -33,28 +33,11 @@ from kvoffload.policies.hubchain import HubChainPolicy  # noqa: E402
 
 
 # ---- neutral perturbations: each changes a constant a little -----------------
-class HubStepDown(HubChainPolicy):
-    P_STEP = 3.9
-
-
-class HubStepUp(HubChainPolicy):
-    P_STEP = 4.1
-
-
-class HubWarmShort(HubChainPolicy):
-    WARM_MISSES = 900
-
-
-class HubWarmLong(HubChainPolicy):
-    WARM_MISSES = 1100
-
-
-class HubHeadDown(HubChainPolicy):
-    HEAD_GAIN = 7.5
-
-
-class HubHeadUp(HubChainPolicy):
-    HEAD_GAIN = 8.5
+_HUB_CONSTANTS = {"HubStepDown": {"P_STEP": 3.9}, "HubStepUp": {"P_STEP": 4.1},
+                  "HubWarmShort": {"WARM_MISSES": 900}, "HubWarmLong": {"WARM_MISSES": 1100},
+                  "HubHeadDown": {"HEAD_GAIN": 7.5}, "HubHeadUp": {"HEAD_GAIN": 8.5}}
+for _name, _consts in _HUB_CONSTANTS.items():  # module-level classes: the CLI names them policy_noise:<name>
+    globals()[_name] = type(_name, (HubChainPolicy,), dict(_consts))
 
 
 class ArcP1(ARCPolicy):
@@ -82,8 +65,7 @@ class ArcGhostPlusOne(ARCPolicy):
             self.capacity -= 1
 
 
-HUB = ["hubchain"] + [f"policy_noise:{c.__name__}" for c in
-                      (HubStepDown, HubStepUp, HubWarmShort, HubWarmLong, HubHeadDown, HubHeadUp)]
+HUB = ["hubchain"] + [f"policy_noise:{name}" for name in _HUB_CONSTANTS]
 ARC = ["arc"] + [f"policy_noise:{c.__name__}" for c in (ArcP1, ArcP2, ArcGhostPlusOne)]
 
 
