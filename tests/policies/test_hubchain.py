@@ -310,10 +310,15 @@ def test_a_hub_branch_requests_head_lives_longer_by_the_shift():
     pol = m.policy
     assert all(k in pol._heads for k in system) and not any(k in pol._order for k in system)
     assert all(k in pol._hubbed for k in branch) and all(k in pol._order or k in pol._loose for k in chain)
+    pol.HEAD_FLOOR = 0.0  # (version 15's rule)
     need = (HUB - 1) + 2 + 2
     out = m.prepare_store(keys(70, need), None)
-    assert set(system) <= set(out.evicted_keys)  # no shift: LRU, the head is older than the chain
+    assert set(system) <= set(out.evicted_keys)  # no shift, no floor: LRU, the head is older than the chain
     assert not set(chain) & set(out.evicted_keys)
+    m, system, branch, chain = _hub_head_then_chain(0.0)
+    out = m.prepare_store(keys(70, need), None)
+    # no shift yet, but the head is newer by HEAD_GAIN * HEAD_FLOOR requests (version 16): the chain goes first
+    assert not set(system) & set(out.evicted_keys) and len(set(chain) & set(out.evicted_keys)) == 2
     m, system, branch, chain = _hub_head_then_chain(1000.0)
     out = m.prepare_store(keys(70, need), None)
     assert set(branch) <= set(out.evicted_keys)  # the branch counts older by the shift
@@ -346,7 +351,7 @@ def test_the_pick_takes_blocks_by_shifted_last_use_ties_to_the_lower_order(data)
     pol._p = data.draw(st.sampled_from([64.0, 0.0, 2.0, 5.5]))
     pol._q = data.draw(st.sampled_from([64.0, 0.0, 1.0, 3.5]))
     orders = (pol._loose, pol._order, pol._hubbed, pol._heads)  # in the order ties go
-    offsets = (0.0, 0.0, -pol.shift, pol.HEAD_GAIN * pol.shift)
+    offsets = (0.0, 0.0, -pol.shift, pol.HEAD_GAIN * max(pol.shift, pol.HEAD_FLOOR))
     blocks = []  # (shifted use, order, place in it, key, use)
     n_key = 0
     for i, seg in enumerate(orders):

@@ -170,8 +170,9 @@ def test_chunked_prefill_stores_a_prompt_a_chunk_a_step(mooncake_file):
     tr = load_trace(mooncake_file([list(range(1, 11))], block_size=4), block_size=4)
 
     def run(max_batched_tokens):
-        engine = ReplayEngine(tr, EngineOptions(extra_config={"num_cpu_chunks": 6}, progress=False,
-                                                max_batched_tokens=max_batched_tokens))
+        # LRU: it evicts the request's own earlier chunks (a prefix policy, the default, keeps them)
+        engine = ReplayEngine(tr, EngineOptions(extra_config={"num_cpu_chunks": 6, "eviction_policy": "lru"},
+                                                progress=False, max_batched_tokens=max_batched_tokens))
         result, calls, gauges, stuck = _run(engine)
         assert gauges["pinned_blocks"] == 0 and gauges["pending_blocks"] == 0 and not stuck
         stores = [(step, len(keys)) for _, step, name, _, keys in calls if name == "prepare_store"]
@@ -199,7 +200,9 @@ def test_sync_tiers_keeps_the_tiers_up_with_every_step(mooncake_file, tmp_path):
     tr = load_trace(mooncake_file([prompt, prompt], block_size=4), block_size=4)
     r = replay(tr, EngineOptions(spec="tiered", progress=False, sync_tiers=True, max_batched_tokens=12,
                                  extra_config={"num_cpu_chunks": 8, "storage_dir": str(tmp_path / "kv"),
-                                               "storage_bytes": "1MiB"}))
+                                               "storage_bytes": "1MiB",
+                                               # LRU: CPU evicts the prompt's own chunks as it goes
+                                               "eviction_policy": "lru"}))
     assert r.counters["allocation_failures"] == 0
     assert r.tiers["storage"]["counters"]["stored_blocks"] == 30
     assert r.counters["offload_hit_blocks"] > 0 and r.counters["verify_failures"] == 0

@@ -8,6 +8,10 @@ from kvoffload.registry import Registry
 
 POLICIES = Registry(EvictionPolicy, "eviction policy", "policies")
 
+# The CPU tier's policy when the config names none (issue 17, version 16 of
+# hubchain: docs/BENCHMARKS.md, "hubchain made the default"). LRU until then.
+DEFAULT_POLICY = "hubchain"
+
 
 def register_policy(name: str, cls: type[EvictionPolicy]) -> None:
     if not (isinstance(cls, type) and issubclass(cls, EvictionPolicy)):
@@ -55,4 +59,4 @@ from kvoffload.policies.hubchain import HubChainPolicy  # noqa: E402
 register_policy("hubchain", HubChainPolicy)
 
 __all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy", "S3FIFOPolicy", "SIEVEPolicy", "PrefixAwarePolicy", "ChainPolicy", "SegChainPolicy", "DuelPolicy", "HubChainPolicy",
-           "register_policy", "get_policy_class", "policy_names"]
+           "register_policy", "get_policy_class", "policy_names", "DEFAULT_POLICY"]

@@ -7,6 +7,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvoffload.policies import DEFAULT_POLICY
 from kvoffload.redact import redact
 from kvoffload.replay.engine import ReplayResult
 from kvoffload.stats import lookup_hit_rate
@@ -136,7 +137,7 @@ def _fmt(v: Any) -> str:
 def _rows(r: ReplayResult) -> list[tuple[str, str]]:
     s = summary(r)
     o = r.options
-    policy = o["extra_config"].get("eviction_policy", "lru")
+    policy = o["extra_config"].get("eviction_policy", DEFAULT_POLICY)
     rows = [
         ("trace", r.trace),
         ("spec / policy", f"{o['spec']} / {policy}"),
@@ -362,7 +363,7 @@ def plot_sweep(points: list[tuple[int, ReplayResult]], path: str | Path, title: 
     plt = _plt()
     caps = [cap for cap, _ in points]
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    policy = points[0][1].options["extra_config"].get("eviction_policy", "lru") if points else "lru"
+    policy = points[0][1].options["extra_config"].get("eviction_policy", DEFAULT_POLICY) if points else DEFAULT_POLICY
     ax.plot(caps, [summary(r)["offload_prefix_hit_rate"] for _, r in points], "o-", label=f"replay ({policy})")
     if all(r.oracle for _, r in points):
         ax.plot(caps, [r.oracle["lru"] for _, r in points], "s--", label="LRU (offline sim)")

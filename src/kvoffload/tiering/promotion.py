@@ -126,7 +126,15 @@ class Promotions:
             if out is None:  # no CPU slot can be freed
                 self._failed(t, st, keys)
                 continue
-            keys = out.keys_to_store  # others reached CPU meanwhile
+            taken = set(out.keys_to_store)
+            # A prefix policy (hubchain, the default) may take only a head of
+            # them, or none, and refuses the rest for this request: those are
+            # a MISS now. Left unmarked, each lookup queued them again and the
+            # request waited for them forever.
+            refused = [k for k in keys if k not in taken and slot_of(k) is None]
+            if refused:
+                self._failed(t, st, refused)
+            keys = out.keys_to_store  # (the others reached CPU meanwhile)
             if not keys:
                 continue
             try:

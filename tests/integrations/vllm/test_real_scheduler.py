@@ -61,6 +61,7 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from kvoffload.policies import DEFAULT_POLICY  # noqa: E402
 from kvoffload.tiers.cpu.manager import PENDING  # noqa: E402
 
 from tiny_model import VOCAB, build_tiny_llama  # noqa: E402
@@ -309,13 +310,13 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-@pytest.mark.parametrize("spec", ["cpu", "tiered", "cpu-hubchain"])
+@pytest.mark.parametrize("spec", ["cpu", "tiered", "cpu-lru"])
 def test_vllm_scheduler_and_connector_drive_our_spec(spec, async_scheduling, model_dir, tmp_path):
-    # cpu-hubchain: the CPU tier under hubchain, whose admit, access and loops (C where built) vLLM's
-    # scheduler then drives through preemptions, aborts and resets
+    # cpu and tiered: the default policy (hubchain: its admit, access and loops, C where built);
+    # cpu-lru: the CPU tier under LRU. vLLM's scheduler drives each through preemptions, aborts and resets.
     extra = {"kvoffload_spec": spec.split("-")[0]}
-    if spec == "cpu-hubchain":
-        extra["eviction_policy"] = "hubchain"
+    if spec == "cpu-lru":
+        extra["eviction_policy"] = "lru"
     if spec == "tiered":
         extra["secondary_tiers"] = [{"type": "storage", "path": str(tmp_path / "kv"),
                                      "capacity_bytes": "1MiB"}]
@@ -350,7 +351,7 @@ def test_vllm_scheduler_and_connector_drive_our_spec(spec, async_scheduling, mod
             check_slots(engine, f"step {engine.steps}" + (f" (last reset at {last_reset})" if last_reset else ""))
         assert added == len(todo) and resets == RESETS and aborted > 0 and engine.preemptions > 0
         assert engine.saw_loads and engine.saw_full_cpu  # the workload reached both
-        assert cpu_tier(engine.manager).policy.name == ("hubchain" if spec == "cpu-hubchain" else "lru")
+        assert cpu_tier(engine.manager).policy.name == ("lru" if spec == "cpu-lru" else DEFAULT_POLICY)
         assert engine.saw_promotions or spec != "tiered"  # and the storage tier served CPU
 
         # Drained: vLLM has no job in flight; ours must hold nothing for it.
@@ -371,16 +372,20 @@ def test_vllm_scheduler_and_connector_drive_our_spec(spec, async_scheduling, mod
         scheduler.shutdown()
 
 
+@pytest.mark.parametrize("policy", ["lru", "hubchain"])
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-def test_requests_whose_prefixes_outgrow_cpu_together_are_all_served(async_scheduling, model_dir, tmp_path):
+def test_requests_whose_prefixes_outgrow_cpu_together_are_all_served(async_scheduling, policy, model_dir, tmp_path):
     """Prompts of 12 chunks each, stored to disk through a CPU tier of 8,
     then sent again all at once (the GPU's prefix cache reset): each can
     have at most 8 promoted, and each one's promotions are what the others
     would evict. vLLM's scheduler retries a request whose lookup is pending
     every step, so before promotions were held for their request until it
     loaded them, the requests took turns evicting each other's promotions
-    and none was ever served."""
-    extra = {"kvoffload_spec": "tiered", "num_cpu_chunks": 8,
+    and none was ever served. Under hubchain the one request that loads from
+    CPU holds its head until it finishes, so the others' promotions find no
+    room and they recompute instead: all are served, with fewer promotions
+    (none here)."""
+    extra = {"kvoffload_spec": "tiered", "num_cpu_chunks": 8, "eviction_policy": policy,
              "secondary_tiers": [{"type": "storage", "path": str(tmp_path / "kv"), "capacity_bytes": "1MiB"}]}
     # full attention only: a sliding-window group's lookups would end the hits at its own miss
     engine = Engine(model_dir, extra, seed=3, async_scheduling=async_scheduling, hybrid=False)
@@ -407,7 +412,7 @@ def test_requests_whose_prefixes_outgrow_cpu_together_are_all_served(async_sched
         for i, prompt in enumerate(prompts):
             engine.add(f"again{i}", prompt, 2)
         serve(400)  # each needs ~10 steps alone
-        assert engine.saw_promotions and engine.saw_loads
+        assert engine.saw_loads and (engine.saw_promotions or policy != "lru")
         engine.manager.wait_idle()
         assert not engine.manager._requests and not engine.manager.has_pending_work()
         pending, pinned = pending_and_pinned(cpu_tier(engine.manager))

@@ -560,3 +560,25 @@ def test_a_store_landing_after_the_request_finished_keeps_nothing_of_the_request
     assert not any(g.live or g.positions for g in groups)
     # ranked as loose keys, newer than the batch re-ranked at the finish, each batch tail first
     assert m.prepare_store(keys(5, 6, 7, 8, 9, 10, 11), None).evicted_keys == keys(2, 1, 4)
+
+
+@pytest.mark.parametrize("policy", ["lru", "arc", "chain", "segchain", "hubchain"])
+def test_a_pool_fenced_by_a_reset_is_no_room_and_the_same_store_offered_again_lands(policy):
+    """A reset while every slot is being written: the slots stay fenced until
+    on_reset_flushed. A store meanwhile is None for every policy (vLLM offers
+    the same blocks again next step). A prefix policy's admission is not
+    asked: it would cut the request's store for good, and an empty answer
+    makes vLLM move past those blocks, so they were never stored (found by
+    vLLM's own types)."""
+    m = CPUOffloadingManager(2, policy)
+    m.prepare_store(keys(1, 2), None)  # both in flight at the reset
+    m.reset_cache()
+    ctx = ReqContext("r")
+    ctx.set_offload_key_positions(keys(3, 4), [16, 32])
+    m.on_new_request(ctx)
+    before = snapshot(m)
+    assert m.prepare_store(keys(3, 4), ctx) is None
+    assert snapshot(m) == before
+    m.on_reset_flushed()
+    out = m.prepare_store(keys(3, 4), ctx)  # the same store again, now with room
+    assert out is not None and out.keys_to_store == keys(3, 4) and not out.evicted_keys

@@ -41,7 +41,7 @@ from kvoffload.config import ConfigError
 from kvoffload.geometry import ResolvedGeometry
 from kvoffload.hints import COUNTER as BAD_HINTS
 from kvoffload.keys import check_key, check_keys
-from kvoffload.policies import get_policy_class
+from kvoffload.policies import DEFAULT_POLICY, get_policy_class
 from kvoffload.policies.base import access_of, admission_of
 from kvoffload.requests import low_retention, prefix_order
 from kvoffload.tiers.cpu.request_record import finish_request, rank_of, record_of, sort_by
@@ -63,7 +63,7 @@ class CPUOffloadingManager(OffloadingManager):
     def __init__(
         self,
         num_chunks: int,
-        policy: str = "lru",
+        policy: str = DEFAULT_POLICY,
         enable_events: bool = False,
         name: str = "cpu",
         medium: Medium = Medium.CPU,
@@ -316,6 +316,16 @@ class CPUOffloadingManager(OffloadingManager):
         admit = self._admit
         evicted: list[bytes] = []
         need = len(new) - len(free)
+        if need > 0 and self._fenced and len(slot_of) == self._num_pinned + self._num_pending:
+            # A reset's flush is pending and nothing else could be evicted: no
+            # room until on_reset_flushed, whatever the policy. Its admission is
+            # not asked: a prefix policy would cut the request's store for good,
+            # and vLLM, given an empty answer rather than None, moves past those
+            # blocks and never offers them again. (Without a reset such a cut
+            # stands: the request's own blocks in flight fill the cache, and
+            # storing its tail later would evict other requests' heads.)
+            self._allocation_failures += 1
+            return None
         if need > 0 or (admit is not None and new):
             if len(new) < len(keys):  # the store's own stored keys stay
                 self._protected.update([k for k in keys if k in slot_of])

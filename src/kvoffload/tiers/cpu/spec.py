@@ -6,7 +6,7 @@ extra_config keys:
   num_cpu_chunks       the number of chunk slots directly (instead of bytes)
   kv_bytes_per_chunk   bytes of one offloaded chunk (all layers of the
   kv_bytes_per_token   largest KV group), or per token of it
-  eviction_policy      "lru" (default), "arc" or "module:Class"
+  eviction_policy      "hubchain" (default), "lru", "arc" or "module:Class"
   block_size           tokens per offloaded chunk (instead of blocks_per_chunk)
   offload_prompt_only, self_describing_kv_events   see OffloadingSpec
   shared_pool_path     a file (e.g. on /dev/shm) holding one host pool for all
@@ -55,7 +55,7 @@ from kvoffload.geometry import (
     declared_chunk_bytes,
 )
 from kvoffload.layout import ParallelLayout, check_config_offloadable
-from kvoffload.policies import get_policy_class
+from kvoffload.policies import DEFAULT_POLICY, get_policy_class
 from kvoffload.tiers.host_pool import slot_bytes
 
 # How long a process waits for TP rank 0 to make the shared pool file
@@ -81,7 +81,7 @@ class CPUOffloadingSpec(OffloadingSpec):
         config = self._apply_block_size(config, extra.get("block_size"))
         check_config_offloadable(config)  # Mamba/SSM or indexer state: refuse, never serve it wrong
         super().__init__(config)
-        self.eviction_policy: str = extra.get("eviction_policy", "lru")
+        self.eviction_policy: str = extra.get("eviction_policy", DEFAULT_POLICY)
         get_policy_class(self.eviction_policy)  # unknown policy: ConfigError now, not at get_manager
         declared_bytes = declared_chunk_bytes(extra, self.config.tokens_per_chunk)
         if "num_cpu_chunks" in extra and "cpu_bytes_to_use" in extra:
