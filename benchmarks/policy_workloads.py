@@ -57,7 +57,9 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
   chat-judge17, scan-judge17, oneshot-judge17, systail-judge17, convo-judge17, multisys-judge17,
   tools-judge17, rag-judge17   fresh seeds; used to judge hubchain's version 15 a second time
   chat-judge18, scan-judge18, oneshot-judge18, systail-judge18, convo-judge18, multisys-judge18,
-  tools-judge18, rag-judge18   fresh seeds for hubchain's next version (no run on them yet)
+  tools-judge18, rag-judge18   fresh seeds; used to judge hubchain's version 16 (made the default)
+  chat-judge19, scan-judge19, oneshot-judge19, systail-judge19, convo-judge19, multisys-judge19,
+  tools-judge19, rag-judge19   fresh seeds for hubchain's next version (no run on them yet)
 
     .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
 """
@@ -225,7 +227,7 @@ WORKLOADS = ["agentic-tune", "agentic-judge", "agentic-rest", "agentic-all", "ag
 # From judge8 on, each judge set has every kind, with seeds base + 1 .. base + 7 (chat: the set's number).
 KINDS = ("chat", "scan", "oneshot", "systail", "convo", "multisys", "tools", "rag")
 JUDGE_SETS = {8: 120, 9: 130, 10: 140, 11: 150, 12: 160, 13: 170, 14: 180, 15: 190, 16: 200, 17: 210,
-              18: 220}  # set -> seed base
+              18: 220, 19: 230}  # set -> seed base
 WORKLOADS += [f"{kind}-judge{n}" for n in JUDGE_SETS for kind in KINDS]
 
 
