@@ -45,7 +45,8 @@ class SharedState:
 
     def available(self) -> bool:
         """Neither back-off is waiting: the network may be tried."""
-        return self.backoff.available() and self.transfer_backoff.available()
+        transfers = self.transfer_backoff
+        return self.backoff.available() and (transfers is self.backoff or transfers.available())
 
     @property
     def is_down(self) -> bool:
