@@ -9,7 +9,7 @@ import pytest
 from kvoffload.abstractions import Medium, OffloadPolicy, ReqContext, RequestOffloadingContext
 from kvoffload.tiers.storage.manager import StorageOffloadingManager
 from kvoffload.tiers.storage.tier import StorageTier
-from tiering_rig import END, HIT, MISS, PENDING, Rig, key, pattern
+from tiering_rig import END, HIT, MISS, PENDING, LateReports, Rig, key, pattern
 
 
 def test_stores_cascade_to_storage_and_unpin_cpu(rig):
@@ -129,17 +129,65 @@ def test_tinylfu_admission_writes_only_reused_chunks(rig):
     assert r.mgr.get_stats().children[1].counters["cascaded_blocks"] == 1
 
 
-def test_back_pressure_drops_and_counts(rig):
+def test_back_pressure_defers_writes_down_and_counts(rig):
+    """A tier with max_queue_depth chunks in flight: the rest wait, in
+    order, and are written down as its jobs finish; none is dropped."""
     r = rig(cpu_chunks=8, max_queue_depth=2)
     ctx = r.request()
-    r.gpu_store([key(i) for i in range(4)], ctx)  # 4 chunks > depth 2: shed
+    keys = [key(i) for i in range(4)]
+    r.gpu_store(keys, ctx)  # 4 chunks > depth 2: two wait
+    s = r.mgr.get_stats().children[1]  # (counters since the last get_stats)
+    assert s.counters["cascaded_blocks"] == 2 and s.counters["cascade_deferred"] == 2
+    assert s.gauges["cascade_waiting"] == 2 and r.mgr.has_pending_work()
     r.settle()
     s = r.mgr.get_stats().children[1]
-    assert s.counters["dropped_stores"] == 4
-    assert r.storage.get_manager().lookup(key(0), ctx) is MISS
-    r.gpu_store([key(10)], ctx)  # fits: written
+    assert s.counters["cascaded_blocks"] == 2 and "dropped_stores" not in s.counters
+    assert s.gauges["cascade_waiting"] == 0 and s.gauges["queue_depth"] == 0
+    assert [r.storage.get_manager().lookup(k, ctx) for k in keys] == [HIT] * 4
+    assert r.cpu.get_stats().gauges["pinned_blocks"] == 0
+
+
+def test_cascades_in_flight_pin_at_most_a_quarter_of_cpu(rig):
+    """Cascades pin their CPU copies until the write lands: whatever a tier's
+    max_queue_depth, they pin at most a quarter of CPU, so the engine's
+    stores find room while a slow tier catches up."""
+    r = rig(cpu_chunks=8, max_queue_depth=256, worker_wrap=LateReports)
+    ctx = r.request()
+    r.gpu_store([key(i) for i in range(8)], ctx)  # CPU full; all 8 to be written down
+    assert r.cpu.get_stats().gauges["pinned_blocks"] == 2  # 8 // 4 in flight, 6 wait
+    out = r.mgr.prepare_store([key(i) for i in range(10, 16)], ctx)  # the unpinned six make room
+    assert out is not None and len(out.keys_to_store) == 6
+    r.mgr.complete_store(out.keys_to_store, ctx)
     r.settle()
-    assert r.storage.get_manager().lookup(key(10), ctx) is HIT
+    s = r.mgr.get_stats().children[1]
+    # keys 2..7 left CPU before their turn: counted, not written, not silent
+    assert s.counters["cascade_missed"] == 6 and "dropped_stores" not in s.counters
+    assert s.counters["cascaded_blocks"] == 2 + 6  # keys 0, 1 and the six new ones
+    assert s.counters["cascade_deferred"] == 6 + 6
+    sm = r.storage.get_manager()
+    assert [sm.lookup(key(i), ctx) for i in (0, 1, 10, 15)] == [HIT] * 4
+    assert sm.lookup(key(2), ctx) is MISS
+
+
+def test_a_full_wait_queue_lets_its_oldest_key_go_and_counts_it(rig):
+    """A tier's wait queue holds at most CPU's slot count of keys: a new key
+    past it lets the oldest go, counted missed if it left CPU already,
+    else dropped."""
+    r = rig(cpu_chunks=4, worker_wrap=LateReports)
+    ctx = r.request()
+    r.gpu_store([key(0)], ctx)  # in flight: 4 // 4 = 1, the most cascades may pin
+    for i in (1, 2, 3):
+        r.gpu_store([key(i)], ctx)  # each waits
+    r.mgr.touch([key(1)], ctx)  # key 1 recent: LRU evicts 2, then 3
+    r.gpu_store([key(4)], ctx)  # evicts key 2; the queue is full (1, 2, 3, 4)
+    r.gpu_store([key(5)], ctx)  # evicts key 3; key 1, oldest in the queue and still in CPU, goes
+    s = r.mgr.get_stats().children[1]
+    assert s.counters["cascade_deferred"] == 5 and s.counters["dropped_stores"] == 1
+    r.settle()
+    s = r.mgr.get_stats().children[1]
+    assert s.counters["cascade_missed"] == 2 and s.counters["cascaded_blocks"] == 2  # keys 4, 5
+    sm = r.storage.get_manager()
+    assert [sm.lookup(key(i), ctx) for i in range(6)] == [HIT, MISS, MISS, MISS, HIT, HIT]
 
 
 def test_events_carry_medium_locality_and_owner(rig):
@@ -391,7 +439,7 @@ def test_a_store_completing_after_the_request_finished_still_cascades_then_finis
     """vLLM finishes a request in the step it submits its last store and
     completes the store later: the child hears on_request_finished once,
     after the cascade's prepare_store, and nothing is left per request."""
-    r = rig(cpu_chunks=4)
+    r = rig(cpu_chunks=8)  # both keys in one cascade (at most a quarter of CPU in flight)
     calls = []
     _spy(r.tier.manager, calls)
     ctx = r.request("a")

@@ -18,6 +18,12 @@ not loaded them yet. After a reset vLLM completes none of its stale jobs
 (it drops them), so they must not hold slots afterwards. At the end every
 request has been served, and nothing is pinned, pending or left per
 request.
+
+No store is lost without a counter (StoreAudit): every new block an
+answered offer leaves unstored (vLLM never offers it again) is counted by
+store_blocks_declined or store_blocks_cut; the -slow configurations hold
+the CPU tier full with a storage tier whose jobs are reported 6-30 steps
+late (a slow worker: a fault these tests cannot cause otherwise).
 """
 
 from __future__ import annotations
@@ -87,8 +93,8 @@ class LateResults:
     vLLM's own test worker does. Every job submitted is waited for first,
     so the run does not depend on timing."""
 
-    def __init__(self, inner, rng: random.Random, clock):
-        self.inner, self.rng, self.clock = inner, rng, clock
+    def __init__(self, inner, rng: random.Random, clock, late: tuple[int, int] = (0, 2)):
+        self.inner, self.rng, self.clock, self.late = inner, rng, clock, late
         self.submitted: set[int] = set()
         self.held: list[tuple[int, object]] = []
         self.flushed: set[int] = set()
@@ -111,7 +117,7 @@ class LateResults:
         now = self.clock()
         for r in sorted(self.inner.get_finished(), key=lambda r: r.job_id):
             assert r.success, f"our worker failed job {r.job_id}"
-            self.held.append((now + self.rng.randint(0, 2), r))
+            self.held.append((now + self.rng.randint(*self.late), r))
         flushed, self.flushed = self.flushed, set()
         due = [r for s, r in self.held if s <= now or r.job_id in flushed]
         self.held = [(s, r) for s, r in self.held if s > now and r.job_id not in flushed]
@@ -150,7 +156,8 @@ def kv_cache_config(hybrid: bool = True) -> KVCacheConfig:
 
 
 class Engine:
-    def __init__(self, model_dir, extra: dict, seed: int, async_scheduling: bool, hybrid: bool = True):
+    def __init__(self, model_dir, extra: dict, seed: int, async_scheduling: bool, hybrid: bool = True,
+                 tier_late: tuple[int, int] = (0, 2)):
         self.rng = random.Random(seed)
         config = vllm_config(model_dir, extra, async_scheduling)
         kv_config = kv_cache_config(hybrid)
@@ -173,7 +180,7 @@ class Engine:
         self.connector = self.scheduler.connector.connector_scheduler  # vLLM's
         self.manager = self.connector.manager.inner  # ours
         for t in getattr(self.manager, "tiers", ()):  # the tiered spec's storage tier
-            t.worker = LateResults(t.worker, self.rng, lambda: self.steps)
+            t.worker = LateResults(t.worker, self.rng, lambda: self.steps, tier_late)
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(GPU_BLOCK, sha256)
         self.steps = 0
@@ -309,18 +316,74 @@ def model_dir(tmp_path_factory):
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+# ---- stores vLLM never offers again ------------------------------------------------
+
+# Counters of blocks a manager declines on purpose (the only stores allowed to be lost)
+DECLINED = ("store_blocks_declined", "store_blocks_cut")
+
+
+class StoreAudit:
+    """Every answer our manager gives vLLM's connector to prepare_store. The
+    connector moves past every block of an answered offer (an empty answer
+    included), so an offered key that was not in CPU before the call and is
+    not in keys_to_store is never offered again: lost, unless one of the
+    DECLINED counters counts it. None is "offer again". The counters are
+    summed from every get_stats() (vLLM's connector calls it and keeps none)."""
+
+    def __init__(self, manager):
+        self.cpu = cpu_tier(manager)
+        self.lost = self.empty_answers = self.none_answers = 0
+        self.counters: Counter = Counter()
+        store, stats = manager.prepare_store, manager.get_stats
+
+        def prepare_store(keys, ctx):
+            keys = list(keys)
+            new = [k for k in dict.fromkeys(keys) if k not in self.cpu]
+            out = store(keys, ctx)
+            if out is None:
+                self.none_answers += 1
+            elif new:
+                stored = set(out.keys_to_store)
+                self.lost += sum(k not in stored for k in new)
+                self.empty_answers += not stored
+            return out
+
+        def get_stats():
+            s = stats()
+            self._add(s)
+            return s
+
+        manager.prepare_store, manager.get_stats = prepare_store, get_stats
+        self.get_stats = get_stats
+
+    def _add(self, s) -> None:
+        for name, v in s.counters.items():
+            self.counters[name] += v
+        for c in s.children:
+            self._add(c)
+
+    def declined(self) -> int:
+        self.get_stats()  # what the last steps counted
+        return sum(self.counters[n] for n in DECLINED)
+
+
 @pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
-@pytest.mark.parametrize("spec", ["cpu", "tiered", "cpu-lru"])
+@pytest.mark.parametrize("spec", ["cpu", "tiered", "cpu-lru", "tiered-slow", "tiered-lru-slow"])
 def test_vllm_scheduler_and_connector_drive_our_spec(spec, async_scheduling, model_dir, tmp_path):
     # cpu and tiered: the default policy (hubchain: its admit, access and loops, C where built);
-    # cpu-lru: the CPU tier under LRU. vLLM's scheduler drives each through preemptions, aborts and resets.
+    # -lru: the CPU tier under LRU; -slow: the storage tier's jobs reported 6-30 steps late, so its
+    # cascades pin CPU copies and back up (the CPU tier held full by a slow tier).
+    # vLLM's scheduler drives each through preemptions, aborts and resets.
     extra = {"kvoffload_spec": spec.split("-")[0]}
-    if spec == "cpu-lru":
+    if "-lru" in spec:
         extra["eviction_policy"] = "lru"
-    if spec == "tiered":
+    slow = spec.endswith("-slow")
+    if spec.startswith("tiered"):
         extra["secondary_tiers"] = [{"type": "storage", "path": str(tmp_path / "kv"),
                                      "capacity_bytes": "1MiB"}]
-    engine = Engine(model_dir, extra, seed=13, async_scheduling=async_scheduling)
+    engine = Engine(model_dir, extra, seed=13, async_scheduling=async_scheduling,
+                    tier_late=(6, 30) if slow else (0, 2))
+    audit = StoreAudit(engine.manager)
     rng = random.Random(7)
     todo = workload(rng)
     scheduler = engine.scheduler
@@ -351,8 +414,8 @@ def test_vllm_scheduler_and_connector_drive_our_spec(spec, async_scheduling, mod
             check_slots(engine, f"step {engine.steps}" + (f" (last reset at {last_reset})" if last_reset else ""))
         assert added == len(todo) and resets == RESETS and aborted > 0 and engine.preemptions > 0
         assert engine.saw_loads and engine.saw_full_cpu  # the workload reached both
-        assert cpu_tier(engine.manager).policy.name == ("lru" if spec == "cpu-lru" else DEFAULT_POLICY)
-        assert engine.saw_promotions or spec != "tiered"  # and the storage tier served CPU
+        assert cpu_tier(engine.manager).policy.name == ("lru" if "-lru" in spec else DEFAULT_POLICY)
+        assert engine.saw_promotions or not spec.startswith("tiered")  # and the storage tier served CPU
 
         # Drained: vLLM has no job in flight; ours must hold nothing for it.
         if hasattr(engine.manager, "wait_idle"):
@@ -367,6 +430,16 @@ def test_vllm_scheduler_and_connector_drive_our_spec(spec, async_scheduling, mod
         left = sorted(getattr(engine.manager, "_requests", {}))
         assert not left, f"per-request state left for {len(left)} finished requests, e.g. {left[:5]}"
         assert not engine.manager.has_pending_work()
+
+        # No store lost without a counter: every new key an answered offer left unstored is counted.
+        declined = audit.declined()
+        print(f"{spec}: {audit.lost} blocks never offered again, {declined:g} counted declined; "
+              f"{audit.empty_answers} empty answers to new keys, {audit.none_answers} None; "
+              f"counters {dict((n, audit.counters[n]) for n in sorted(audit.counters) if 'cascade' in n)}")
+        assert audit.lost == declined, (
+            f"{audit.lost} blocks vLLM never offers again, {declined:g} of them counted declined")
+        if slow:  # the slow tier backed up: cascades waited, none was lost without a count
+            assert audit.counters["cascade_deferred"] > 0
     finally:
         engine.worker.shutdown()
         scheduler.shutdown()
@@ -389,31 +462,41 @@ def test_requests_whose_prefixes_outgrow_cpu_together_are_all_served(async_sched
              "secondary_tiers": [{"type": "storage", "path": str(tmp_path / "kv"), "capacity_bytes": "1MiB"}]}
     # full attention only: a sliding-window group's lookups would end the hits at its own miss
     engine = Engine(model_dir, extra, seed=3, async_scheduling=async_scheduling, hybrid=False)
+    audit = StoreAudit(engine.manager)
     rng = random.Random(5)
     chunk = GPU_BLOCK * BLOCKS_PER_CHUNK
     prompts = [[rng.randrange(VOCAB) for _ in range(12 * chunk + 5)] for _ in range(4)]
     scheduler = engine.scheduler
 
-    def serve(limit: int) -> None:
+    def serve(limit: int, tier_keeps_up: bool = False) -> None:
         start = engine.steps
         while scheduler.has_requests() or engine.flush():
             assert engine.steps - start < limit, (
                 f"requests unserved after {limit} steps: "
                 f"{[(r.request_id, r.status.name, r.num_computed_tokens) for r in scheduler.requests.values()]}")
             engine.step()
+            if tier_keeps_up:
+                # every write down lands within its step: a prompt of 12 chunks passes through
+                # 8 CPU slots while cascades may pin 8 // 4 of them, so a tier that took steps
+                # would miss the head (evicted before its turn: cascade_missed) and disk would
+                # not hold the prefixes this test promotes
+                engine.manager.wait_idle()
             check_slots(engine, f"step {engine.steps}")
 
     try:
         for i, prompt in enumerate(prompts):  # one at a time: each is stored, CPU -> disk
             engine.add(f"first{i}", prompt, 2)
-            serve(200)
+            serve(200, tier_keeps_up=True)
         engine.manager.wait_idle()
         assert scheduler.reset_prefix_cache()  # the GPU's copies gone: disk serves them
         for i, prompt in enumerate(prompts):
             engine.add(f"again{i}", prompt, 2)
         serve(400)  # each needs ~10 steps alone
-        assert engine.saw_loads and (engine.saw_promotions or policy != "lru")
         engine.manager.wait_idle()
+        declined = audit.declined()  # (and the counters of the last steps)
+        # CPU served loads (a load may start and land within one step: counted, not sampled)
+        assert audit.counters["loaded_blocks"] > 0 and (engine.saw_promotions or policy != "lru")
+        assert audit.lost == declined, f"{audit.lost} blocks vLLM never offers again, {declined:g} counted"
         assert not engine.manager._requests and not engine.manager.has_pending_work()
         pending, pinned = pending_and_pinned(cpu_tier(engine.manager))
         assert not pending and not pinned
