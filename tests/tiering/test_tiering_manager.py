@@ -354,6 +354,28 @@ def test_an_offer_larger_than_cpu_stores_its_head(rig):
     assert r.cpu.prepare_store([key(i) for i in range(10, 16)], ctx) is None  # the CPU tier alone refuses
 
 
+def test_an_offer_headed_by_held_keys_stores_the_head_of_its_new_keys(rig):
+    """The head cut counts room against the offer's new keys: its held keys
+    (here pinned, loaded by the request) took the whole room when it was cut
+    from the offer's start, so nothing was stored and the empty answer told
+    vLLM to move past six new blocks for good. Now the head of the new keys
+    is stored and the rest counted (store_blocks_cut); with no room for any
+    new key the answer is None (offered again)."""
+    r = rig(cpu_chunks=6)
+    ctx = r.request()
+    held = [key(i) for i in range(4)]
+    r.gpu_store(held, ctx)
+    r.settle()
+    r.mgr.prepare_load(held, ctx)  # the request loaded its prefix: pinned
+    new = [key(i) for i in range(4, 10)]
+    out = r.mgr.prepare_store(held + new, ctx)
+    assert out is not None and out.keys_to_store == new[:2]
+    assert r.mgr.get_stats().counters["store_blocks_cut"] == 4
+    assert r.mgr.prepare_store(held + [key(20)], ctx) is None  # every slot pinned or being written
+    r.mgr.complete_store(out.keys_to_store, ctx)
+    r.mgr.complete_load(held, ctx)
+
+
 def test_every_stat_the_tiered_manager_reports_is_a_declared_series(rig):
     """vLLM exports only the series a spec declares (convert.connector_stats
     leaves the others out): promotions, cascades and head stores must be
