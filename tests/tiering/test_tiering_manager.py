@@ -112,7 +112,7 @@ def test_store_threshold_writes_only_reused_chunks(rig):
 
 
 def test_tinylfu_admission_writes_only_reused_chunks(rig):
-    from kvoffload.policies.admission import TinyLFUAdmission
+    from kvoffload.tiering.admission import TinyLFUAdmission
 
     r = rig(admission=TinyLFUAdmission(threshold=2, prefix_closed=False))
     ctx = r.request()

@@ -8,7 +8,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvoffload.abstractions import OffloadingManager
-from kvoffload.policies.admission import AdmissionFilter, StoreCountAdmission
+from kvoffload.tiering.admission import AdmissionFilter, StoreCountAdmission
 from kvoffload.registry import Registry
 from kvoffload.tiers.base import Namespace, SecondaryTier, TierWorker
 

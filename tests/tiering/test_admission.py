@@ -4,7 +4,7 @@ parents stop their children; bad settings name themselves."""
 import pytest
 
 from kvoffload.config import ConfigError
-from kvoffload.policies.admission import StoreCountAdmission, TinyLFUAdmission
+from kvoffload.tiering.admission import StoreCountAdmission, TinyLFUAdmission
 
 
 def K(i: int) -> bytes:
