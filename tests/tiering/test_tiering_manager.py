@@ -169,6 +169,33 @@ def test_cascades_in_flight_pin_at_most_a_quarter_of_cpu(rig):
     assert sm.lookup(key(2), ctx) is MISS
 
 
+class _HeldReports(LateReports):
+    """A worker that reports nothing while `holding` is set."""
+
+    def __init__(self, inner):
+        super().__init__(inner, late=False)
+        self.holding = True
+
+    def get_finished(self):
+        return [] if self.holding else super().get_finished()
+
+
+def test_wait_idle_returns_when_a_worker_holds_its_reports(rig):
+    """Keys waiting behind jobs a worker does not report yet: wait_idle gives
+    up after rounds that change nothing (no hang at a reset or shutdown);
+    they are written down once the reports come."""
+    r = rig(cpu_chunks=8, worker_wrap=_HeldReports)
+    ctx = r.request()
+    keys = [key(i) for i in range(4)]
+    r.gpu_store(keys, ctx)  # 2 in flight, 2 waiting
+    r.mgr.wait_idle()
+    assert len(r.tier.waiting) == 2
+    r.tier.worker.holding = False
+    r.settle()
+    assert not r.tier.waiting and r.tier.in_flight == 0
+    assert [r.storage.get_manager().lookup(k, ctx) for k in keys] == [HIT] * 4
+
+
 def test_a_full_wait_queue_lets_its_oldest_key_go_and_counts_it(rig):
     """A tier's wait queue holds at most CPU's slot count of keys: a new key
     past it lets the oldest go, counted missed if it left CPU already,

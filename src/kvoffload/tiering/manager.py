@@ -314,7 +314,10 @@ class TieringManager(OffloadingManager):
     def wait_idle(self) -> None:
         """Block until every secondary job has finished, then apply them
         (what a worker reports late stays in flight); while keys wait to be
-        written down, again (each round writes some down)."""
+        written down, again (each round writes some down). Two rounds in a
+        row that change nothing (a worker holding its reports) end it: what
+        waits is written down at a later poll."""
+        stuck, last = 0, None
         while True:
             waiting = self.cascades.waiting()
             for i, t in enumerate(self.tiers):
@@ -323,6 +326,11 @@ class TieringManager(OffloadingManager):
             self.poll()
             if not waiting:  # (then this poll submitted nothing new)
                 return
+            now = (sum(len(t.waiting) for t in self.tiers), self.jobs.next_id_peek())
+            stuck = stuck + 1 if now == last else 0
+            if stuck >= 2:
+                return
+            last = now
 
     # ---- events, stats, lifecycle -------------------------------------------
 
