@@ -33,7 +33,7 @@ def marked_tables(path: Path, kind: str) -> dict[str, list[str]]:
     follows each `<!-- KIND: NAME -->` marker (several tables may share a NAME)."""
     tables: dict[str, list[str]] = {}
     lines = path.read_text(encoding="utf-8").splitlines()
-    marker = re.compile(rf"<!--\s*{kind}:\s*([\w.]+)\s*-->")
+    marker = re.compile(rf"<!--\s*{kind}:\s*([\w./-]+)\s*-->")
     for i, line in enumerate(lines):
         m = marker.search(line)
         if not m:
@@ -193,7 +193,7 @@ LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
 def test_every_relative_link_points_to_a_file():
-    broken = []
+    broken, checked = [], 0
     for doc in doc_files():
         text = doc.read_text(encoding="utf-8")
         text = re.sub(r"```.*?```", "", text, flags=re.S)  # code blocks hold no links
@@ -201,8 +201,10 @@ def test_every_relative_link_points_to_a_file():
             if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
                 continue  # a URL or an anchor in the same file
             path = (doc.parent / target.split("#", 1)[0]).resolve()
+            checked += 1
             if not path.exists():
                 broken.append(f"{doc.relative_to(ROOT)}: link to {target} (no such file)")
+    assert checked > 20  # the links are found at all
     assert not broken, "\n".join(broken)
 
 
@@ -231,3 +233,14 @@ def test_benchmarks_is_a_short_reference():
     assert not dated, f"docs/BENCHMARKS.md: dated headings: {dated}"
     machine = sorted({m for m in re.findall(r"(?<![\w.])/(?:tmp|work|root)/\S*", text)})
     assert not machine, f"docs/BENCHMARKS.md: machine paths (use repository-relative ones): {machine}"
+
+
+def test_architecture_map_names_existing_paths_and_every_package():
+    src = ROOT / "src" / "kvoffload"
+    listed = [p for names in marked_tables(DOCS / "ARCHITECTURE.md", "paths").values() for p in names]
+    assert listed, "docs/ARCHITECTURE.md: no table marked <!-- paths: src/kvoffload -->"
+    missing = [p for p in listed if not (src / p).exists()]
+    assert not missing, f"docs/ARCHITECTURE.md names paths under src/kvoffload/ that do not exist: {missing}"
+    packages = sorted(str(d.relative_to(src)) + "/" for d in src.iterdir() if (d / "__init__.py").is_file())
+    unlisted = [d for d in packages if not any(p.startswith(d) for p in listed)]
+    assert not unlisted, f"docs/ARCHITECTURE.md: packages missing from the map: {unlisted}"
