@@ -244,3 +244,12 @@ def test_architecture_map_names_existing_paths_and_every_package():
     packages = sorted(str(d.relative_to(src)) + "/" for d in src.iterdir() if (d / "__init__.py").is_file())
     unlisted = [d for d in packages if not any(p.startswith(d) for p in listed)]
     assert not unlisted, f"docs/ARCHITECTURE.md: packages missing from the map: {unlisted}"
+
+
+def test_the_python_example_of_architecture_runs():
+    """The first Python block under "Using a spec from Python" stores, looks up
+    and loads a chunk through the cpu spec (its own asserts check the answers)."""
+    text = (DOCS / "ARCHITECTURE.md").read_text(encoding="utf-8")
+    section = text[text.index("## Using a spec from Python"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    exec(compile(code, "docs/ARCHITECTURE.md", "exec"), {})
