@@ -253,3 +253,14 @@ def test_the_python_example_of_architecture_runs():
     section = text[text.index("## Using a spec from Python"):]
     code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
     exec(compile(code, "docs/ARCHITECTURE.md", "exec"), {})
+
+
+def test_readme_vllm_config_is_the_cpu_example():
+    """The README's vLLM config is examples/vllm/cpu.json (that file may also pick a policy)."""
+    text = README.read_text(encoding="utf-8")
+    shown = json.loads(re.search(r"```json\n(.*?)```", text, re.S).group(1))
+    example = json.loads((EXAMPLES / "cpu.json").read_text())
+    extra = example.pop("kv_connector_extra_config")
+    shown_extra = shown.pop("kv_connector_extra_config")
+    assert shown == example
+    assert {k: v for k, v in extra.items() if k != "eviction_policy"} == shown_extra
