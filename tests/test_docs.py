@@ -189,6 +189,14 @@ def doc_files() -> list[Path]:
     return [README, *sorted(DOCS.rglob("*.md")), *sorted((ROOT / "examples").rglob("*.md"))]
 
 
+def anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings (lower case, punctuation
+    dropped, spaces to hyphens)."""
+    text = re.sub(r"```.*?```", "", path.read_text(encoding="utf-8"), flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.*)$", text, re.M)}
+
+
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
 
 
@@ -200,10 +208,13 @@ def test_every_relative_link_points_to_a_file():
         for target in LINK.findall(text):
             if re.match(r"[a-z][a-z0-9+.-]*:", target) or target.startswith("#"):
                 continue  # a URL or an anchor in the same file
-            path = (doc.parent / target.split("#", 1)[0]).resolve()
+            file, _, anchor = target.partition("#")
+            path = (doc.parent / file).resolve()
             checked += 1
             if not path.exists():
                 broken.append(f"{doc.relative_to(ROOT)}: link to {target} (no such file)")
+            elif anchor and path.suffix == ".md" and anchor not in anchors(path):
+                broken.append(f"{doc.relative_to(ROOT)}: link to {target} (no such heading in {file})")
     assert checked > 20  # the links are found at all
     assert not broken, "\n".join(broken)
 
