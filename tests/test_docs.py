@@ -166,21 +166,42 @@ def test_replay_doc_lists_every_flag_and_no_other():
     assert not problems, "\n".join(problems)
 
 
-def example_configs() -> list[Path]:
-    return sorted(EXAMPLES.glob("*.json"))
+def config_snippets() -> list[tuple[str, dict]]:
+    """(where, extra_config) of every config a user may copy: examples/vllm/*.json,
+    and the JSON / YAML blocks of README.md and docs/ that hold spec keys."""
+    import yaml
+
+    found = [(p.name, json.loads(p.read_text())) for p in sorted(EXAMPLES.glob("*.json"))]
+    for doc in [README, *sorted(DOCS.glob("*.md"))]:
+        for lang, body in re.findall(r"```(json|yaml)\n(.*?)```", doc.read_text(encoding="utf-8"), re.S):
+            try:
+                data = json.loads(body) if lang == "json" else yaml.safe_load(body)
+            except (ValueError, yaml.YAMLError):
+                continue  # a fragment, not a config
+            if isinstance(data, dict):
+                found.append((f"{doc.name}: {body.splitlines()[0][:40]}", data))
+    configs = []
+    for where, data in found:
+        extra = data.get("kv_connector_extra_config", data.get("extra_config", data))
+        if isinstance(extra, dict) and extra.keys() & {"cpu_bytes_to_use", "num_cpu_chunks", "secondary_tiers"}:
+            configs.append((where, extra))
+    return configs
 
 
-@pytest.mark.parametrize("path", example_configs(), ids=lambda p: p.name)
-def test_example_configs_use_documented_keys(path):
-    """Each example's keys are in CONFIGURATION.md's tables for where they sit."""
+def test_config_snippets_use_documented_keys():
+    """Every key of the configs README, docs/ and examples/ show is in CONFIGURATION.md's table for where it sits."""
     documented = {k: set(v) for k, v in marked_tables(CONFIGURATION, "keys").items()}
-    extra = json.loads(path.read_text())["kv_connector_extra_config"]
-    spec = extra.get("kvoffload_spec", "cpu")
-    allowed = documented["vllm"] | documented["cpu"] | (documented["tiered"] if spec == "tiered" else set())
-    assert set(extra) <= allowed, (path.name, set(extra) - allowed)
-    for tier in extra.get("secondary_tiers", []):
-        tier_allowed = documented["secondary_tiers"] | documented[tier["type"]]
-        assert set(tier) <= tier_allowed, (path.name, tier["type"], set(tier) - tier_allowed)
+    spec_keys = documented["vllm"] | documented["cpu"] | documented["tiered"]
+    snippets = config_snippets()
+    assert len(snippets) >= 6  # the snippets are found at all
+    problems = []
+    for where, extra in snippets:
+        problems += [f"{where}: {k!r}" for k in sorted(set(extra) - spec_keys)]
+        problems += [f"{where}: namespace {k!r}" for k in sorted(set(extra.get("namespace") or {}) - documented["namespace"])]
+        for tier in extra.get("secondary_tiers", []):
+            allowed = documented["secondary_tiers"] | documented.get(tier.get("type"), set())
+            problems += [f"{where}: {tier.get('type')} tier {k!r}" for k in sorted(set(tier) - allowed)]
+    assert not problems, "keys no table of docs/CONFIGURATION.md lists:\n" + "\n".join(problems)
 
 
 # ---- links and sizes ---------------------------------------------------------------
