@@ -80,6 +80,7 @@ def cpu_keys() -> set[str]:
 
 
 def code_tables() -> dict[str, set[str]]:
+    from kvoffload import hints
     from kvoffload.integrations.sglang.config import BackendConfig
     from kvoffload.tiering import TIER_KEYS
 
@@ -95,6 +96,7 @@ def code_tables() -> dict[str, set[str]]:
         "redis": tier_keys("redis"),
         "mooncake": tier_keys("mooncake"),
         "sglang": sglang,
+        "request": {hints.RETENTION, hints.LOAD_TIERS},
     }
     if vllm_importable():
         from kvoffload import metrics_vllm
