@@ -1,7 +1,9 @@
 """The docs against the code and against their own limits: the configuration
-tables and the replay's flags list exactly what the code accepts, every
-relative link points at a file, README and BENCHMARKS stay short, and
-BENCHMARKS holds no dated headings or machine paths."""
+tables and the replay's flags list exactly what the code accepts, the configs
+the docs show use only documented keys, the architecture map names files that
+exist and its Python example runs, every relative link points at a file (and
+heading), README and BENCHMARKS stay short, and BENCHMARKS holds no dated
+headings or machine paths. A failure names the file, the table and the key."""
 
 from __future__ import annotations
 
