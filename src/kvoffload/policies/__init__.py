@@ -7,16 +7,17 @@ from __future__ import annotations
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.registry import Registry
 
-# Every place that lists the policies (README.md, docs/POLICIES.md, the
-# examples, `kvoffload replay --help`, spec docstrings) lists these names:
-# tests/policies/test_policy_lists.py checks them.
-POLICIES = Registry(EvictionPolicy, "eviction policy", "policies", {
+# The policies kvoffload ships. Every place that lists the policies
+# (README.md, docs/POLICIES.md, the examples, `kvoffload replay --help`,
+# spec docstrings) lists these names: tests/policies/test_policy_lists.py.
+BUILT_IN = {
     "hubchain": "kvoffload.policies.hubchain.policy:HubChainPolicy",
     "lru": "kvoffload.policies.lru:LRUPolicy",
     "arc": "kvoffload.policies.arc:ARCPolicy",
     "s3fifo": "kvoffload.policies.s3fifo:S3FIFOPolicy",
     "sieve": "kvoffload.policies.sieve:SIEVEPolicy",
-})
+}
+POLICIES = Registry(EvictionPolicy, "eviction policy", "policies", BUILT_IN)  # and those register_policy adds
 
 DEFAULT_POLICY = "hubchain"  # the CPU tier's policy when the config names none
 
@@ -38,4 +39,4 @@ def get_policy_class(name: str) -> type[EvictionPolicy]:
     return POLICIES.get(name)
 
 
-__all__ = ["POLICIES", "DEFAULT_POLICY", "EvictionPolicy", "register_policy", "get_policy_class", "policy_names"]
+__all__ = ["BUILT_IN", "POLICIES", "DEFAULT_POLICY", "EvictionPolicy", "register_policy", "get_policy_class", "policy_names"]

@@ -28,8 +28,8 @@ LRU; in chats they are read again soon, and LRU wins. The rules:
   more than q blocks, its oldest go first; a first miss on a hub branch
   ghost raises q, one on a B2 ghost lowers it, by equal steps. q starts at
   the capacity and may reach 0.
-- Steps of p and q are WARM_GAIN times larger at first, falling to one step
-  over about WARM_MISSES first misses each WARM_GAIN.
+- p's and q's steps are WARM_GAIN times larger at first: after n first
+  misses, max(1, WARM_GAIN / (1 + n / WARM_MISSES)) steps.
 - Only a request's first miss counts (a deeper block is worth nothing once
   a block before it is gone).
 - A block hit for the first time moves to the chain order; a hub branch
