@@ -8,9 +8,10 @@ Markdown marks a policy list with HTML comments, each policy in backticks:
     <!-- /policies -->
 
 Each marked list names exactly the built-in policies (kvoffload.policies.
-BUILT_IN, what the registry starts with); docs/POLICIES.md must hold one. The examples set built-in policies only; `kvoffload replay
---help` and the CPU spec's docstring name every registered one. And the
-registry imports a policy's module only when it is asked for.
+BUILT_IN, what the registry starts with); docs/POLICIES.md must hold one.
+The examples set built-in policies only; `kvoffload replay --help`,
+`kvoffload demo --help` and the CPU spec's docstring name every built-in
+one. And the registry imports a policy's module only when it is asked for.
 """
 
 from __future__ import annotations
@@ -78,10 +79,11 @@ def test_the_examples_set_built_in_policies():
     assert DEFAULT_POLICY in found  # the CPU example shows the default
 
 
-def test_replay_help_names_every_built_in_policy():
+@pytest.mark.parametrize("command", ["replay", "demo"])
+def test_help_names_every_built_in_policy(command):
     out = io.StringIO()
     with contextlib.redirect_stdout(out), pytest.raises(SystemExit):
-        main(["replay", "--help"])
+        main([command, "--help"])
     section = re.search(r"\n  --policy POLICY(.*?)\n  --", out.getvalue(), re.S).group(1)
     words = set(re.findall(r"[a-z0-9_]+", section))
     assert set(BUILT_IN) <= words
