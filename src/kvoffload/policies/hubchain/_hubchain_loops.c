@@ -1,6 +1,6 @@
-/* kvoffload.policies._hubchain_loops: hubchain's hot loops, in C.
+/* kvoffload.policies.hubchain._hubchain_loops: hubchain's hot loops, in C.
 
-   The C twin of hubchain_loops.py (read that file first: it says what each
+   The C twin of loops.py (read that file first: it says what each
    function does, and its functions are the reference). An order is an
    OrderedDict of key -> last use. These make the same calls on the same
    dicts in the same order as the Python (od[k] = v, del od[k],
@@ -866,7 +866,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_hubchain_loops",
-                                     "hubchain's hot loops over its orders (C twin of hubchain_loops.py)", -1, methods};
+                                     "hubchain's hot loops over its orders (C twin of loops.py)", -1, methods};
 
 PyMODINIT_FUNC PyInit__hubchain_loops(void) {
     str_move_to_end = PyUnicode_InternFromString("move_to_end");
