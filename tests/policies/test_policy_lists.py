@@ -32,7 +32,7 @@ from kvoffload.policies import BUILT_IN, DEFAULT_POLICY
 
 ROOT = Path(__file__).resolve().parents[2]
 MARKED = re.compile(r"<!-- policies -->(.*?)<!-- /policies -->", re.S)
-MUST_LIST = ["docs/POLICIES.md"]  # files that must hold a marked list
+MUST_LIST = ["README.md", "docs/POLICIES.md"]  # files that must hold a marked list
 
 
 def markdown_files() -> list[Path]:
