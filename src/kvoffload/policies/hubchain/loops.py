@@ -5,11 +5,12 @@ sampled reuses with the shadow LRU.
 An order is an OrderedDict of key -> last use (the clock, in requests),
 oldest first. These loops run for every block a request stores, hits or
 evicts, so they are the policy's cost per block (kept within 1.5x of
-LRU's). `_hubchain_loops.c` has the same functions, built at install by
-setup.py (optional: without a compiler these run). Both make the same
-changes to the same OrderedDicts, in the same order, and return the same
-values: tests/policies/test_hubchain_loops.py drives both with random
-operations and compares. Set KVOFFLOAD_NATIVE_LOOPS=0 to use these.
+LRU's). The C module `_hubchain_loops` (_hubchain_loops*.c) has the same
+functions, built at install by setup.py (optional: without a compiler these
+run). Both make the same changes to the same OrderedDicts, in the same
+order, and return the same values: tests/policies/test_hubchain_loops.py
+drives both with random operations and compares. Set
+KVOFFLOAD_NATIVE_LOOPS=0 to use these.
 
 `may_go(k)`: k is not in `own` (the storing request's key positions: a
 store never evicts its own request's keys) nor in `held` (keys running
@@ -353,7 +354,7 @@ def follow(keys: list[bytes], cls: int, hit: bool, now: int, low: int, k: int, s
 PYTHON = {name: globals()[name] for name in ("stamp", "renew", "renew_all", "touch", "drop", "merge", "prefix_end",
                                                "shadow", "follow")}
 
-try:  # the C twin (_hubchain_loops.c), built at install by setup.py; optional
+try:  # the C twin (_hubchain_loops*.c), built at install by setup.py; optional
     from kvoffload.policies.hubchain import _hubchain_loops as native
 except ImportError:  # (no compiler at install: the loops above)
     native = None
