@@ -13,7 +13,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from kvoffload.config import ConfigError, check_fits_in_memory, memory_available, parse_bytes, positive_int
-from kvoffload.policies import DEFAULT_POLICY, get_policy_class
+from kvoffload.policies import DEFAULT_POLICY, get_policy_class, policy_names
 from kvoffload.redact import redact_text, redact_url
 from kvoffload.replay.sweep import default_workers, fit_workers, replay_once, run_sweep
 from kvoffload.replay.traces import FORMATS, Trace, load_trace, mark_final_turns
@@ -57,7 +57,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "unique blocks such as 5%% (default 10%% unless --cpu-bytes)")
     s.add_argument("--cpu-bytes", help="CPU tier size, e.g. 2GiB (cpu_bytes_to_use)")
     s.add_argument("--policy", default=DEFAULT_POLICY,
-                   help="eviction policy: hubchain (default), lru, arc, ... or module:Class; several, "
+                   help=f"eviction policy: {DEFAULT_POLICY} (default), "
+                        f"{', '.join(p for p in policy_names() if p != DEFAULT_POLICY)} or module:Class; several, "
                         "comma-separated (lru,arc,hubchain): each replayed at the same capacities, side by "
                         "side, the best named (which policy suits your trace)")
     s.add_argument("--storage-dir", help="storage tier directory (storage_dir; needs a spec with a "

@@ -1,4 +1,4 @@
-"""Hypothesis: S3-FIFO, SIEVE, prefix, chain, segchain, duel and hubchain keep the policy contract under any
+"""Hypothesis: every registered policy keeps the policy contract under any
 sequence of calls, alone and inside the CPU manager.
 
 - len / contains match a plain model of the held keys;
@@ -14,10 +14,10 @@ from atomicity import deep_state
 from hypothesis import HealthCheck, given, settings
 
 from kvoffload.abstractions import ReqContext
-from kvoffload.policies import get_policy_class
+from kvoffload.policies import BUILT_IN, get_policy_class
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 
-NEW_POLICIES = ["s3fifo", "sieve", "prefix", "chain", "segchain", "duel", "hubchain"]
+BUILT = sorted(BUILT_IN)
 KEYS = [i.to_bytes(8, "big") + b"\0\0\0\0" for i in range(16)]
 
 op = st.one_of(
@@ -29,7 +29,7 @@ op = st.one_of(
 )
 
 
-@pytest.mark.parametrize("policy", NEW_POLICIES)
+@pytest.mark.parametrize("policy", BUILT)
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=st.lists(op, max_size=60), capacity=st.integers(1, 10))
 def test_policy_contract(policy, ops, capacity):
@@ -53,7 +53,7 @@ def test_policy_contract(policy, ops, capacity):
             held.discard(args[0])
         else:
             n, pinned = args
-            before = deep_state(pol)  # by value, nested policies too (duel's experts)
+            before = deep_state(pol)  # by value, nested state too
             out = pol.evict(n, lambda k: k not in pinned)
             if out is None:
                 assert len(held - pinned) < n, "refused although enough keys were evictable"
@@ -67,7 +67,7 @@ def test_policy_contract(policy, ops, capacity):
             assert (k in pol) == (k in held)
 
 
-@pytest.mark.parametrize("policy", NEW_POLICIES)
+@pytest.mark.parametrize("policy", BUILT)
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(reqs=st.lists(st.lists(st.sampled_from(KEYS), min_size=1, max_size=6, unique=True), max_size=30))
 def test_manager_never_evicts_a_key_being_loaded(policy, reqs):

@@ -1,6 +1,6 @@
-"""Hypothesis state machine: the CPU manager with the `chain` (and `segchain`, `hubchain`) policy.
+"""Hypothesis state machine: the CPU manager with the `hubchain` policy.
 
-`chain` may store only a head of a store's new keys (its admission), so the
+`hubchain` may store only a head of a store's new keys (its admission), so the
 verdicts differ from LRU's; the manager contract must hold all the same:
 - pinned keys (loads in flight) and keys being written are never evicted;
 - a store evicts none of the keys it names, nor any key of its own request
@@ -20,7 +20,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from kvoffload.abstractions import ReqContext
 from kvoffload.keys import make_offload_key
-from kvoffload.policies.hubchain import HubChainPolicy
+from kvoffload.policies.hubchain.policy import HubChainPolicy
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 from kvoffload.tiers.cpu.slot_state import PENDING
 
@@ -29,9 +29,9 @@ KEYS = [make_offload_key(i.to_bytes(4, "big"), 0) for i in range(12)]
 picks = st.integers(0, 1000)
 
 
-class ChainMachine(RuleBasedStateMachine):
-    policy = "chain"
-    holds_loaded_heads = False  # a running request's loaded keys are kept from other requests' stores
+class HubChainMachine(RuleBasedStateMachine):
+    policy = "hubchain"
+    holds_loaded_heads = True  # a running request's loaded keys are kept from other requests' stores
 
     def __init__(self):
         super().__init__()
@@ -169,26 +169,6 @@ class ChainMachine(RuleBasedStateMachine):
         assert g["pinned_blocks"] == sum(1 for k in self.state if self.pins[k])
         assert g["used_blocks"] == len(self.state)
 
-
-TestChainManager = ChainMachine.TestCase
-TestChainManager.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
-                                     suppress_health_check=[HealthCheck.too_slow])
-
-
-class SegChainMachine(ChainMachine):
-    """`segchain` (chain with unshielded loose blocks) under the same contract."""
-    policy = "segchain"
-
-
-TestSegChainManager = SegChainMachine.TestCase
-TestSegChainManager.settings = TestChainManager.settings
-
-
-class HubChainMachine(ChainMachine):
-    """`hubchain` (segchain whose hub branches age faster) under the same contract."""
-    policy = "hubchain"
-    holds_loaded_heads = True
-
     @invariant()
     def sampled_episodes_are_counted_by_rate(self):
         pol = self.m.policy
@@ -214,7 +194,8 @@ class HubChainMachine(ChainMachine):
 
 
 TestHubChainManager = HubChainMachine.TestCase
-TestHubChainManager.settings = TestChainManager.settings
+TestHubChainManager.settings = settings(max_examples=60, stateful_step_count=40, deadline=None,
+                                        suppress_health_check=[HealthCheck.too_slow])
 
 
 class SmallHubChainPolicy(HubChainPolicy):
@@ -227,7 +208,7 @@ class SmallHubChainPolicy(HubChainPolicy):
 
 class SmallHubChainMachine(HubChainMachine):
     """`hubchain` where every branch is off a hub, so that hub branch blocks, their ghosts and q act."""
-    policy = "tests.policies.test_chain_stateful:SmallHubChainPolicy"
+    policy = "tests.policies.test_hubchain_stateful:SmallHubChainPolicy"
 
     @rule(head=st.integers(1, 3), start=st.integers(4, 10), length=st.integers(1, 2))
     def new_branch_request(self, head, start, length):

@@ -1,4 +1,4 @@
-"""`chain` end to end: agent conversations whose contexts outgrow the cache,
+"""`hubchain` end to end: agent conversations whose contexts outgrow the cache,
 replayed in vLLM's call order (a request finishes before its stores land)
 through the real cpu spec, every loaded byte checked."""
 
@@ -22,13 +22,13 @@ def replay(d, policy, tmp_path):
     return json.loads(js.read_text())["summary"]
 
 
-def test_chain_keeps_the_heads_where_lru_loops(tmp_path):
+def test_hubchain_keeps_the_heads_where_lru_loops(tmp_path):
     d = tmp_path / "agents"
     d.mkdir()
     for conv in range(2):
         agent(d / f"trace_{conv}.json", conv)
-    lru, chain = replay(d, "lru", tmp_path), replay(d, "chain", tmp_path)
-    for s in (lru, chain):
+    lru, hub = replay(d, "lru", tmp_path), replay(d, "hubchain", tmp_path)
+    for s in (lru, hub):
         assert s["verify_failures"] == 0 and s["load_failures"] == 0 and s["store_failures"] == 0
-    assert chain["verified_blocks"] > 0
-    assert chain["offload_prefix_hit_rate"] >= 2 * lru["offload_prefix_hit_rate"] > 0
+    assert hub["verified_blocks"] > 0
+    assert hub["offload_prefix_hit_rate"] >= 2 * lru["offload_prefix_hit_rate"] > 0

@@ -4,12 +4,13 @@ sampled reuses with the shadow LRU.
 
 An order is an OrderedDict of key -> last use (the clock, in requests),
 oldest first. These loops run for every block a request stores, hits or
-evicts, so they are the policy's cost per block (issue 17: within 1.5x of
-LRU's). `_hubchain_loops.c` has the same functions, built at install by
-setup.py (optional: without a compiler these run). Both make the same
-changes to the same OrderedDicts, in the same order, and return the same
-values: tests/policies/test_hubchain_loops.py drives both with random
-operations and compares. Set KVOFFLOAD_NATIVE_LOOPS=0 to use these.
+evicts, so they are the policy's cost per block (kept within 1.5x of
+LRU's). The C module `_hubchain_loops` (_hubchain_loops*.c) has the same
+functions, built at install by setup.py (optional: without a compiler these
+run). Both make the same changes to the same OrderedDicts, in the same
+order, and return the same values: tests/policies/test_hubchain_loops.py
+drives both with random operations and compares. Set
+KVOFFLOAD_NATIVE_LOOPS=0 to use these.
 
 `may_go(k)`: k is not in `own` (the storing request's key positions: a
 store never evicts its own request's keys) nor in `held` (keys running
@@ -57,9 +58,9 @@ def renew_all(od: OrderedDict, keys: list[bytes], now: int) -> bool:
 
 def touch(keys: list[bytes], order: OrderedDict, loose: OrderedDict, heads: OrderedDict,
           hubbed: OrderedDict, used: int, now: int) -> None:
-    """A hit outside a hub branch, tail first: a key of chain's order is used
+    """A hit outside a hub branch, tail first: a key of the chain order is used
     at `used` and moves to its newest end; a loose or hub branch key (its
-    first hit) moves to chain's order at `used`; a hub head is used `now`
+    first hit) moves to the chain order at `used`; a hub head is used `now`
     and moves to the heads' newest end. Other keys are ignored."""
     move, move_head = order.move_to_end, heads.move_to_end
     for k in reversed(keys):
@@ -155,7 +156,7 @@ def merge_rest(n: int, loose: OrderedDict, order: OrderedDict, hubbed: OrderedDi
     first block used at `threshold` or later: shielded), hub branches (last
     use plus hub_off) and hub heads (plus head_off). The oldest head goes
     first; a tie to the lower order, so of one request's blocks stored in one
-    step, the new ones (loose, its tail) go before the second uses (chain's,
+    step, the new ones (loose, its tail) go before the second uses (the chain order,
     its head)."""
     victims: list[bytes] = []
     take, need = victims.append, n
@@ -175,7 +176,7 @@ def merge_rest(n: int, loose: OrderedDict, order: OrderedDict, hubbed: OrderedDi
     offset = (0.0, 0.0, hub_off, head_off)
     at = [next(w, None) for w in walks]
     if at[1] is not None and at[1][1] >= threshold:
-        at[1] = None  # chain's order is shielded from its first block
+        at[1] = None  # the chain order is shielded from its first block
     inf = math.inf
     eff = [inf if a is None else a[1] + o for a, o in zip(at, offset)]  # each walk's next block, shifted
     left = 4 - at.count(None)
@@ -193,7 +194,7 @@ def merge_rest(n: int, loose: OrderedDict, order: OrderedDict, hubbed: OrderedDi
                     return victims
             nxt = next(walk, None)
             if nxt is None or (i == 1 and nxt[1] >= threshold):
-                at[i] = None  # walked out (or chain's order reached its shielded part)
+                at[i] = None  # walked out (or the chain order reached its shielded part)
                 left -= 1
                 break
             e = nxt[1] + off
@@ -222,7 +223,7 @@ def prefix_end(positions: dict, first_key: bytes, orders: tuple) -> tuple[int | 
     positions are set in prefix order (vLLM's connector, the replay), so the
     first resident key met below the store is the deepest. That is assumed,
     not checked: positions met out of order on the way fall back to the full
-    walk, others are not seen. (`segchain`'s rule, and so hubchain's.)"""
+    walk, others are not seen."""
     first = positions.get(first_key)
     if first is None:
         return None, None
@@ -353,8 +354,8 @@ def follow(keys: list[bytes], cls: int, hit: bool, now: int, low: int, k: int, s
 PYTHON = {name: globals()[name] for name in ("stamp", "renew", "renew_all", "touch", "drop", "merge", "prefix_end",
                                                "shadow", "follow")}
 
-try:  # the C twin (_hubchain_loops.c), built at install by setup.py; optional
-    from kvoffload.policies import _hubchain_loops as native
+try:  # the C twin (_hubchain_loops*.c), built at install by setup.py; optional
+    from kvoffload.policies.hubchain import _hubchain_loops as native
 except ImportError:  # (no compiler at install: the loops above)
     native = None
 
