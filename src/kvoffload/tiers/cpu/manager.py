@@ -9,6 +9,13 @@ list, set for a whole call by numpy):
 plus a dict key -> slot and a free list of slots. No per-block objects.
 A key enters the eviction policy when its store completes, so the policy
 only ever sees readable keys; pending writes can never be picked.
+Pins key by key (the slow path, pins past MAX_PINS): pins.py; counters:
+counters.py.
+
+An offer (prepare_store) is answered None when none of its new keys can
+have a slot now (none free, none evictable: vLLM offers it again), else
+with every new key, or a head of them that the policy's admission chose
+(the rest counted store_blocks_declined: vLLM never offers them again).
 
 Recency is per request (tiers/cpu/request_record.py): what a request
 loaded and stored is ranked once, when it finishes. touch() still works for
