@@ -41,8 +41,10 @@ def test_tinylfu_admission_writes_only_reused_chunks(rig):
 
 def test_back_pressure_defers_writes_down_and_counts(rig):
     """A tier with max_queue_depth chunks in flight: the rest wait, in
-    order, and are written down as its jobs finish; none is dropped."""
-    r = rig(cpu_chunks=8, max_queue_depth=2)
+    order, and are written down as its jobs finish; none is dropped. (The
+    worker reports a job one poll late, so what get_stats sees does not
+    depend on its threads' timing.)"""
+    r = rig(cpu_chunks=8, max_queue_depth=2, worker_wrap=LateReports)
     ctx = r.request()
     keys = [key(i) for i in range(4)]
     r.gpu_store(keys, ctx)  # 4 chunks > depth 2: two wait
