@@ -52,7 +52,8 @@ from kvoffload.tiering.tier import (
     get_tier_class,
     tier_type_names,
 )
-from kvoffload.tiers.base import Namespace, align_up
+from kvoffload.align import align_up
+from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.cpu.spec import CPUOffloadingSpec
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import xxhash
 
-from kvoffload.tiers.base import Namespace, align_up
+from kvoffload.align import align_up
+from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.storage.index import Geometry, IndexLog, open_regular, read_header, replay_fd
 
 

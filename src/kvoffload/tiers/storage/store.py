@@ -29,7 +29,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from kvoffload.config import ConfigError
-from kvoffload.tiers.base import ALIGN, Namespace
+from kvoffload.align import ALIGN
+from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.storage.index import (
     OP_FREE, OP_PUT, RECORD_BYTES, Geometry, IndexLog, open_regular, write_atomically,
 )

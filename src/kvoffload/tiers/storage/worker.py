@@ -30,7 +30,8 @@ from collections import deque
 import xxhash
 
 from kvoffload.abstractions import CPULoadStoreSpec, LoadStoreSpec, TransferResult
-from kvoffload.tiers.base import TierWorker, align_up
+from kvoffload.align import align_up
+from kvoffload.tiers.base import TierWorker
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.storage.manager import StorageLoadStoreSpec
 from kvoffload.tiers.storage.store import SlabStore
