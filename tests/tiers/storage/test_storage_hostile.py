@@ -57,10 +57,11 @@ def test_directory_planted_by_another_user_is_refused(tmp_path, make_tier):
         shutil.rmtree(shared)
 
 
-def test_links_in_our_own_directory_are_never_followed(tmp_path, make_tier):
+def test_links_in_our_own_directory_are_never_followed(tmp_path, make_tier, pool):
     victims = _victims(tmp_path)
     a, b = victims
     tier = make_tier()
+    tier.get_worker(pool)  # the slab files are made with the worker
     d = tier.store.dir
     close(tier)
     for tmp in ("index.tmp", "index.log.tmp", "namespace.json.tmp"):  # temporaries are created exclusively

@@ -1,16 +1,13 @@
 """Moves whole chunks between host-pool slots and slab-file slots with
-O_DIRECT, on a small pool of IO threads plus one commit thread.
+O_DIRECT, on a small pool of IO threads.
 
 Host-pool chunks are page-aligned and a multiple of 4 KiB, so they are read
 and written in place (no bounce buffer). A job is split into one task per
-IO thread. A store job passes the commit thread twice:
-- before its writes: FREE records for the slots it will overwrite are made
-  durable (so a crash mid-write never leaves an index entry over new bytes);
-- after its writes: the slabs are fdatasync'd, then its PUT records are
-  appended and made durable (a block is visible only once its bytes are).
-The commit thread takes every job waiting at once, so many jobs share one
-fdatasync per slab file and one index append (group commit).
-A load checks each chunk's xxhash against the index as it is read; a
+IO thread. A store job completes once its bytes are written: its slots'
+entries (key, xxh3 of the bytes) are then recorded in the SlabStore, served
+from then on, and reach the index log with the store's next group commit
+(commit.py; what a crash costs: store.py). No sync sits on a store's path.
+A load checks each chunk's xxhash against its entry as it is read; a
 mismatch, a short read or a read error fails the job and the slot is
 reported bad (a miss from then on, never served). IO errors fail the job
 (the tiering manager turns that into a miss or a dropped store) and never
@@ -75,11 +72,8 @@ class StorageWorker(TierWorker):
         self._finished: deque[TransferResult] = deque()
         self._done = threading.Condition()
         self._in_flight: set[int] = set()
-        self._commits: queue.SimpleQueue = queue.SimpleQueue()  # (job, bytes written?)
         self._threads = [threading.Thread(target=self._run, name=f"kvoffload-storage-io-{i}",
                                           daemon=True) for i in range(self.io_threads)]
-        self._threads.append(threading.Thread(target=self._run_commits, name="kvoffload-storage-commit",
-                                              daemon=True))
         for t in self._threads:
             t.start()
 
@@ -114,7 +108,6 @@ class StorageWorker(TierWorker):
             self._done.wait_for(lambda: not self._in_flight, timeout=60)
         for _ in range(self.io_threads):
             self._tasks.put(None)
-        self._commits.put(None)
         for t in self._threads:
             t.join(timeout=30)
 
@@ -132,18 +125,12 @@ class StorageWorker(TierWorker):
         job = _Job(job_id, is_store, slots, chunks, keys, parts)
         with self._done:
             self._in_flight.add(job_id)
-        if is_store and self.store.names_any(slots):
-            # first durably forget what the slots held. (Their last owners'
-            # PUTs are all applied: a slot is reused only after its owner's
-            # store completed and it was evicted.)
-            self._commits.put((job, False))
-        else:
-            self._enqueue_parts(job)
-        return True
-
-    def _enqueue_parts(self, job: _Job) -> None:
-        for p in range(job.remaining):
+        # a reused slot's old entry stays in the log until this store's is
+        # committed: it names the old bytes' checksum, so after a crash the
+        # slot is a miss, never the new bytes served as the old key
+        for p in range(parts):
             self._tasks.put((job, p))
+        return True
 
     def _run(self) -> None:
         while True:
@@ -164,9 +151,8 @@ class StorageWorker(TierWorker):
                 last = job.remaining == 0
             if last:
                 if job.is_store and job.ok:
-                    self._commits.put((job, True))
-                else:
-                    self._finish(job)
+                    self.store.record_stored(list(zip(job.slots, job.keys, job.checksums)))
+                self._finish(job)
 
     def _do_part(self, job: _Job, part: int) -> None:
         n = len(job.slots)
@@ -205,35 +191,6 @@ class StorageWorker(TierWorker):
         h.update(buf[: self._used])
         h.update(self._zeros)
         return h.intdigest()
-
-    def _run_commits(self) -> None:
-        """Group commit: everything waiting shares one round of syncs."""
-        while True:
-            batch = [self._commits.get()]
-            while True:
-                try:
-                    batch.append(self._commits.get_nowait())
-                except queue.Empty:
-                    break
-            if any(item is None for item in batch):
-                return
-            written = [job for job, after in batch if after]
-            starting = [job for job, after in batch if not after]
-            puts = [e for job in written for e in zip(job.slots, job.keys, job.checksums)]
-            frees = [s for job in starting for s in job.slots]
-            try:
-                self.store.sync_data({self.store.locate(s)[0] for job in written for s in job.slots})
-                self.store.commit(puts, frees)
-            except OSError as e:
-                log.warning("storage index commit failed: %s", e)
-                for job in written + starting:
-                    job.ok = False
-                    self._finish(job)
-                continue
-            for job in written:
-                self._finish(job)
-            for job in starting:
-                self._enqueue_parts(job)
 
     def _finish(self, job: _Job) -> None:
         nbytes = len(job.slots) * self.store.slot_bytes if job.ok else 0
