@@ -111,25 +111,30 @@ def test_path_must_be_a_string(tmp_path, monkeypatch, path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("content", [b"", b"\0\0\0", b'{"model": "test-mo', b"[" * 30000 + b"]" * 30000])
-def test_empty_or_damaged_namespace_json(make_tier, pool, content):
-    """A crash right after creation can leave it empty: with nothing indexed
-    it is rebuilt; with chunks indexed it is a one-line error naming the file."""
+@pytest.mark.parametrize("content", [None, b"", b"\0\0\0", b'{"model": "test-mo', b"[" * 30000 + b"]" * 30000])
+def test_missing_empty_or_damaged_namespace_json(make_tier, pool, content):
+    """Deleted, or left empty by a crash right after creation: with no chunk
+    in the directory it is rebuilt; with chunks there it is a one-line error
+    naming the file (never a directory of chunks reused as if fresh)."""
     from storage_helpers import close
+
+    def spoil(meta):
+        meta.unlink() if content is None else meta.write_bytes(content)
 
     tier = make_tier()
     meta = tier.store.dir / "namespace.json"
     good = meta.read_bytes()
     close(tier)
-    meta.write_bytes(content)
-    tier = make_tier()  # nothing indexed yet: rebuilt
+    spoil(meta)
+    tier = make_tier()  # nothing stored yet: rebuilt
     assert meta.read_bytes() == good
     fill(pool, 0, key(1))
     assert store(tier, pool, [key(1)], [0])
     close(tier)
-    meta.write_bytes(content)
-    with pytest.raises(StorageError, match=rf"{meta} is (empty|damaged).*delete") as e:
+    spoil(meta)
+    with pytest.raises(StorageError, match=rf"{meta} is (missing|empty|damaged).*delete") as e:
         make_tier()
+    assert content is not None or not meta.exists()  # not rewritten behind the user's back
     assert "\n" not in str(e.value)
     meta.write_bytes(good)  # restored, as the message says: served again
     assert make_tier().get_manager().lookup(key(1), CTX) is LookupResult.HIT

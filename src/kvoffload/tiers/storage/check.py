@@ -99,7 +99,11 @@ def check_namespace_dir(d: Path) -> Report:
         try:
             ifd = open_regular(IndexLog.NAME, dfd)
         except FileNotFoundError:
-            return rep  # created, never stored to: empty
+            slabs = sorted(n for n in os.listdir(dfd) if n.startswith("slab-") and n.endswith(".bin"))
+            if slabs:  # the tier writes the index before any slab file: it was lost or deleted
+                rep.problems.append(f"{IndexLog.NAME} is missing beside {_plural(len(slabs), 'slab file')}: "
+                                    "every chunk in them is lost (misses)")
+            return rep  # else: created, never stored to: empty
         except OSError as e:
             rep.problems.append(f"{IndexLog.NAME}: {_why(e)}")
             return rep
