@@ -39,11 +39,13 @@ open that stored nothing.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
 import json
 import logging
 import os
+import weakref
 from dataclasses import asdict
 from pathlib import Path
 
@@ -56,6 +58,21 @@ from kvoffload.tiers.storage.files import (  # noqa: F401 (StorageError, open_di
 from kvoffload.tiers.storage.index import RECORD_BYTES, Geometry, IndexLog, open_regular, write_atomically
 
 log = logging.getLogger(__name__)
+
+# stores open in this process: at exit each commits what waits, or, having
+# stored nothing, removes what it created (an engine whose start failed after
+# the tiers were built exits with nothing of theirs left behind)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _at_exit() -> None:
+    for store in list(_LIVE):
+        try:
+            store.discard()
+        except Exception:  # best effort at exit: never a traceback there
+            log.debug("storage directory %s: not released at exit", store.dir, exc_info=True)
+
 
 class SlabStore(IndexedSlots):
     def __init__(self, path: str | os.PathLike, namespace: Namespace, slot_bytes: int,
@@ -93,6 +110,7 @@ class SlabStore(IndexedSlots):
             self._undo()
             raise
         self._init_entries(commit_interval_s)
+        _LIVE.add(self)
 
     def _named(self, e: OSError) -> StorageError:
         # files are opened relative to the directory: name them in full
@@ -288,6 +306,7 @@ class SlabStore(IndexedSlots):
         """Close; if nothing was stored since the open, also remove what it
         created (a namespace opened for a layout that turned out another, or
         a start that failed): no unused directory or slab file is left."""
+        _LIVE.discard(self)
         if self._stored:
             self.close()
             return
@@ -315,8 +334,10 @@ class SlabStore(IndexedSlots):
 
     def close(self) -> None:
         """Commit what waits, then release everything (a clean close loses nothing)."""
+        _LIVE.discard(self)
         self._stop_flusher(commit=True)
         self._close_files()
+        self._made_dirs, self._made_files, self._grown = [], [], {}  # kept: a later discard() removes nothing
 
     def _close_files(self) -> None:
         if self._syncer is not None:

@@ -88,6 +88,13 @@ class StorageTier(SecondaryTier):
             name=ctx.name,
         )
 
+    def discard(self) -> None:
+        """Stop and close; if nothing was stored since the open, also remove
+        what it created (a namespace opened for nothing, a failed start)."""
+        if self._worker is not None:
+            self._worker.shutdown()
+        self.store.discard()
+
     def get_manager(self) -> StorageOffloadingManager:
         return self._manager
 
