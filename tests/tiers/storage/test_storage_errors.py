@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 from kvoffload.abstractions import LookupResult
 from kvoffload.tiers.storage.store import StorageError
 from kvoffload.tiers.storage.tier import StorageTier
-from storage_helpers import CHUNK, CTX, NS, fill, key, load, open_in_child, store
+from storage_helpers import CHUNK, CTX, NS, expected, fill, key, load, open_in_child, store
 
 
 def test_path_under_a_file_is_a_clear_startup_error(tmp_path, make_tier):
@@ -209,3 +210,30 @@ def test_io_threads_out_of_range_is_named_before_anything_is_opened(tmp_path, th
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(storage\)\.io_threads") as e:
         StorageTier.from_config({"path": str(tmp_path / "s"), "capacity_bytes": "1MiB", "io_threads": threads}, ctx)
     assert "\n" not in str(e.value) and not (tmp_path / "s").exists()
+
+
+def test_a_bad_slot_inside_a_run_of_adjacent_slots_is_the_only_one_dropped(make_tier, pool):
+    """Adjacent slots are read in one IO: a slab cut short in the middle of
+    the run, or a flipped byte in one slot, costs those slots only."""
+    tier = make_tier(capacity_slots=8, num_files=1)  # one file: the job's slots are adjacent
+    mgr = tier.get_manager()
+    keys = [key(i) for i in range(5)]
+    for c, k in enumerate(keys):
+        fill(pool, c, k)
+    assert store(tier, pool, keys, list(range(5)))
+    slots = [mgr._slot_of[k] for k in keys]
+    assert slots == list(range(5))
+    slab = tier.store.dir / "slab-0.bin"
+    os.truncate(slab, 3 * CHUNK)  # slots 3 and 4 are gone
+    with open(slab, "r+b") as f:  # and slot 1 holds a wrong byte
+        f.seek(CHUNK + 77)
+        b = f.read(1)
+        f.seek(CHUNK + 77)
+        f.write(bytes([b[0] ^ 1]))
+    assert not load(tier, pool, keys, list(range(8, 13)), job_id=7)
+    assert [mgr.lookup(k, CTX) for k in keys] == [LookupResult.HIT, LookupResult.MISS, LookupResult.HIT,
+                                                  LookupResult.MISS, LookupResult.MISS]
+    c = mgr.get_stats().counters
+    assert c["checksum_failures"] == 1 and c["load_failures"] == 2, c
+    assert load(tier, pool, [keys[0], keys[2]], [8, 9], job_id=8)
+    np.testing.assert_array_equal(pool.chunk(9), expected(keys[2]))
