@@ -397,7 +397,7 @@ def main() -> None:
     p.add_argument("--job-bytes", type=int, default=4 << 20, help="bytes per store/load job (io)")
     p.add_argument("--vllm-python", help="python of a vLLM 0.33 venv: its filesystem tier is measured too")
     p.add_argument("--batch", type=int, default=16, help="chunks per store/load job (paced)")
-    p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument("--io-threads", type=int, default=16)
     p.add_argument("--num-files", type=int, default=4, help="slab files of the storage tier")
     p.add_argument("--trace", default=str(TRACE))
     p.add_argument("--limit", type=int, help="replay only the first N requests")
