@@ -131,3 +131,42 @@ def test_a_clean_close_loses_nothing(tmp_path, pool):
     assert len(held) == SLOTS  # 40 batches filled every slot
     served, failed = _served(tmp_path / "store", pool)
     assert served == held and not failed
+
+
+def _eventually(check, what: str, limit_s: float = 60.0) -> None:
+    """Poll until check() holds (the commit thread runs on its own)."""
+    end = time.monotonic() + limit_s
+    while not check():
+        assert time.monotonic() < end, f"never: {what}"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("trigger", ["records", "interval"])
+def test_the_group_commit_writes_records_without_a_close(tmp_path, pool, trigger):
+    """Stores reach the log on their own: once commit_records wait, or when
+    the commit interval ends (nothing here waits for a close or a flush)."""
+    from storage_helpers import fill, store
+
+    kw = {"commit_records": 3, "commit_interval_ms": 60_000} if trigger == "records" else \
+        {"commit_records": 10_000, "commit_interval_ms": 10}
+    tier = StorageTier(str(tmp_path / "store"), 8 * CHUNK, CHUNK, NS, **kw)
+    log = tier.store.dir / "index.log"
+    try:
+        for i in range(3):
+            fill(pool, 0, key(i))
+            assert store(tier, pool, [key(i)], [0], job_id=i + 1)
+        _eventually(lambda: log.stat().st_size == 4 * 128, "a header and 3 records in the log")
+    finally:
+        close(tier)
+
+
+@pytest.mark.parametrize("value", [0, -5, "fast", True, 120_000])
+def test_commit_interval_out_of_range_is_named(tmp_path, value):
+    from kvoffload.config import ConfigError
+    from kvoffload.tiering import TierContext
+
+    ctx = TierContext(0, "storage", NS, CHUNK, False)
+    with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(storage\)\.commit_interval_ms") as e:
+        StorageTier.from_config({"path": str(tmp_path / "s"), "capacity_bytes": "1MiB",
+                                 "commit_interval_ms": value}, ctx)
+    assert "\n" not in str(e.value) and not (tmp_path / "s").exists()

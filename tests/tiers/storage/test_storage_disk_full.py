@@ -44,7 +44,8 @@ def disk_freed():
 STORES = PRELUDE + """
 path, limit, crash, n = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "crash", 200
 pool = HostPool(1, CHUNK)
-tier = StorageTier(path, 4 * CHUNK, CHUNK, NS, num_files=4)  # one 16 KiB slot per slab file, under the limit
+# one 16 KiB slot per slab file, under the limit; commits only where called
+tier = StorageTier(path, 4 * CHUNK, CHUNK, NS, num_files=4, commit_interval_ms=60_000)
 disk_full(limit)
 acked, commits = [], []
 for i in range(n):  # 4 slots: from the 5th store on, each overwrites an evicted slot
@@ -98,12 +99,13 @@ def test_an_index_the_disk_cannot_take_costs_misses_never_a_wrong_byte(tmp_path,
 RESET = PRELUDE + """
 path, pinned = sys.argv[1], sys.argv[2] == "1"
 pool = HostPool(8, CHUNK)
-tier = StorageTier(path, 8 * CHUNK, CHUNK, NS)
+tier = StorageTier(path, 8 * CHUNK, CHUNK, NS, commit_interval_ms=60_000)  # commits only where called
 mgr = tier.get_manager()
 keys = [key(i) for i in range(6)]
 for c, k in enumerate(keys):
     fill(pool, c, k)
 assert store(tier, pool, keys[:5], list(range(5)))
+assert tier.store.flush()  # committed before the disk fills
 if pinned:
     mgr.prepare_load([keys[4]], CTX)  # a load in flight: the reset keeps key 4
 disk_full(64)  # not one more index record fits
