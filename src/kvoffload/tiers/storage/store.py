@@ -69,7 +69,7 @@ _LIVE: weakref.WeakSet = weakref.WeakSet()
 def _at_exit() -> None:
     for store in list(_LIVE):
         try:
-            store.discard()
+            store.release_at_exit()
         except Exception:  # best effort at exit: never a traceback there
             log.debug("storage directory %s: not released at exit", store.dir, exc_info=True)
 
@@ -312,6 +312,22 @@ class SlabStore(IndexedSlots):
             return
         self._stop_flusher(commit=False)
         self._undo()
+
+    def release_at_exit(self) -> None:
+        """discard() for a process that exits: the files are not closed (an
+        IO thread may still be writing, and a closed descriptor's number
+        could be reused under it); the kernel closes them."""
+        if self._stored:
+            self.flush()
+            return
+        self._stop_flusher(commit=False)
+        if self._dir_fd >= 0:
+            remove_made(self._dir_fd, self._made_files, self._grown)
+        for d in reversed(self._made_dirs):
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
 
     def _open_slab(self, name: str) -> int:
         existed = self._exists(name)
