@@ -1,8 +1,11 @@
 """Storage tier benchmarks.
 
-io:     write and read GB/s of the storage tier (manager + IO threads, O_DIRECT,
-        checksums, durable index) for 256 KiB - 4 MiB chunks, as a ratio of
-        `dd` with O_DIRECT on the same filesystem in the same run.
+io:     store and load GB/s of the storage tier (manager + IO threads, O_DIRECT,
+        checksums, the index's group commit) at 8 KiB, 256 KiB and 2 MiB
+        chunks, side by side in one run with `dd` O_DIRECT (the same bytes,
+        same filesystem) and with vLLM 0.33's own filesystem tier (run by
+        storage_vllm_fs.py in the venv given by --vllm-python); the page
+        cache is dropped before every load phase (needs root).
 paced:  the shared Mooncake trace through TieringManager(CPU, storage) with
         real bytes, the IO waited for (an engine whose compute covers it): a
         CPU tier alone, then CPU + storage at several sizes and store
@@ -10,7 +13,7 @@ paced:  the shared Mooncake trace through TieringManager(CPU, storage) with
 replay: the same through `kvoffload replay`'s engine, which runs as fast as
         the managers allow (no compute time), so a slow tier drops stores.
 
-    .venv/bin/python benchmarks/bench_storage.py io --dir /tmp/kvbench
+    .venv/bin/python benchmarks/bench_storage.py io --dir /tmp/kvbench --vllm-python VENV/bin/python
     .venv/bin/python benchmarks/bench_storage.py paced --dir /tmp/kvbench
     .venv/bin/python benchmarks/bench_storage.py replay --dir /tmp/kvbench
 """
@@ -36,10 +39,22 @@ from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.storage.tier import StorageTier
 
 TRACE = Path(__file__).resolve().parents[1] / ".." / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-CHUNK_SIZES = (256 << 10, 1 << 20, 4 << 20)
+CHUNK_SIZES = (8 << 10, 256 << 10, 2 << 20)
 
 
-# ---- io ---------------------------------------------------------------------
+# ---- io ----------------------------------------------------------------------
+
+VLLM_DRIVER = Path(__file__).resolve().parent / "storage_vllm_fs.py"
+
+
+def drop_caches() -> None:
+    """Write back, then drop the page cache, so a read phase reads the disk."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError as e:
+        raise SystemExit(f"cannot drop the page cache ({e}): run as root") from None
+
 
 def _dd(args: list[str]) -> float:
     t = time.perf_counter()
@@ -47,40 +62,45 @@ def _dd(args: list[str]) -> float:
     return time.perf_counter() - t
 
 
-def dd_write(path: Path, bs: int, count: int) -> float:
-    """dd's best case here: a new file (into preallocated unwritten extents
-    dd at queue depth 1 is 10x slower, which would flatter the tier)."""
+def dd_write_read(path: Path, bs: int, count: int) -> tuple[float, float]:
+    """dd O_DIRECT into a new file (fdatasync'd at the end), then, the page
+    cache dropped, O_DIRECT back: the disk's plain sequential rate at bs."""
     path.unlink(missing_ok=True)
-    return _dd(["if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}",
-                "oflag=direct", "conv=fdatasync"])
+    w = _dd(["if=/dev/zero", f"of={path}", f"bs={bs}", f"count={count}", "oflag=direct", "conv=fdatasync"])
+    drop_caches()
+    r = _dd([f"if={path}", "of=/dev/null", f"bs={bs}", f"count={count}", "iflag=direct"])
+    path.unlink()
+    return w, r
 
 
-def dd_read(path: Path, bs: int, count: int) -> float:
-    return _dd([f"if={path}", "of=/dev/null", f"bs={bs}", f"count={count}", "iflag=direct"])
-
-
-def _store_all(mgr, worker, keys, batch, ctx, first_job) -> float:
+def _jobs(mgr, worker, keys, batch, ctx, first_job, store: bool) -> float:
+    """Submit every key's job at once (as an engine with a deep queue would), wait for all."""
     t = time.perf_counter()
     jobs = {}
     for j, lo in enumerate(range(0, len(keys), batch), first_job):
         ks = keys[lo : lo + batch]
-        out = mgr.prepare_store(ks, ctx)
-        worker.submit_store(j, CPULoadStoreSpec(range(lo, lo + len(ks))), out.store_spec)
+        chunks = CPULoadStoreSpec(range(lo, lo + len(ks)))
+        if store:
+            out = mgr.prepare_store(ks, ctx)
+            worker.submit_store(j, chunks, out.store_spec)
+        else:
+            worker.submit_load(j, mgr.prepare_load(ks, ctx), chunks)
         jobs[j] = ks
     worker.wait(set(jobs))
     seconds = time.perf_counter() - t
     results = worker.get_finished()
-    assert all(r.success for r in results), "store failed"
+    assert all(r.success for r in results), "a job failed (checksum?)"
     for r in results:
-        mgr.complete_store(jobs[r.job_id], ctx)
+        (mgr.complete_store if store else mgr.complete_load)(jobs[r.job_id], ctx)
     return seconds
 
 
 def tier_write_read(root: Path, pool: HostPool, batch: int, io_threads: int,
                     num_files: int) -> tuple[float, float, float]:
-    """Seconds to store every pool chunk into fresh slab files, to store as
-    many new keys again (each evicts an old one and overwrites its slot: the
-    steady state of a full tier), then to load them all back."""
+    """Seconds to store every pool chunk into fresh slab files (and commit
+    the index), to store as many new keys again (each overwrites an evicted
+    slot: the steady state of a full tier), then, the page cache dropped, to
+    load them all back (checksums checked)."""
     shutil.rmtree(root, ignore_errors=True)
     bs, n = pool.chunk_bytes, pool.num_chunks
     ns = Namespace(model="bench", chunk_bytes=bs)
@@ -90,17 +110,16 @@ def tier_write_read(root: Path, pool: HostPool, batch: int, io_threads: int,
     keys = [make_offload_key(i.to_bytes(8, "big"), 0) for i in range(n)]
     again = [make_offload_key(i.to_bytes(8, "big"), 1) for i in range(n)]
     try:
-        write_s = _store_all(mgr, worker, keys, batch, ctx, 0)
-        overwrite_s = _store_all(mgr, worker, again, batch, ctx, 1 << 20)
         t = time.perf_counter()
-        jobs = set()
-        for j, lo in enumerate(range(0, n, batch), 2 << 20):
-            ks = again[lo : lo + batch]
-            worker.submit_load(j, mgr.prepare_load(ks, ctx), CPULoadStoreSpec(range(lo, lo + len(ks))))
-            jobs.add(j)
-        worker.wait(jobs)
-        read_s = time.perf_counter() - t
-        assert all(r.success for r in worker.get_finished()), "load failed (checksum?)"
+        _jobs(mgr, worker, keys, batch, ctx, 0, True)
+        assert tier.store.flush()  # the group commit: slabs fdatasync'd, index appended and fdatasync'd
+        write_s = time.perf_counter() - t
+        t = time.perf_counter()
+        _jobs(mgr, worker, again, batch, ctx, 1 << 20, True)
+        assert tier.store.flush()
+        overwrite_s = time.perf_counter() - t
+        drop_caches()
+        read_s = _jobs(mgr, worker, again, batch, ctx, 2 << 20, False)
     finally:
         worker.shutdown()
         mgr.shutdown()
@@ -108,46 +127,69 @@ def tier_write_read(root: Path, pool: HostPool, batch: int, io_threads: int,
     return write_s, overwrite_s, read_s
 
 
+def vllm_fs_write_read(python: str, root: Path, bs: int, n: int, batch: int) -> tuple[float, float]:
+    """vLLM 0.33's filesystem tier, in its own venv's python (storage_vllm_fs.py)."""
+    shutil.rmtree(root, ignore_errors=True)
+    env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu"}
+    env.pop("PYTHONPATH", None)
+    try:
+        out = subprocess.run([python, str(VLLM_DRIVER), "--dir", str(root), "--chunk-bytes", str(bs),
+                              "--chunks", str(n), "--batch", str(batch), "--drop-caches"],
+                             capture_output=True, text=True, env=env, cwd="/", check=False)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    if out.returncode != 0:
+        raise SystemExit(f"vLLM fs tier run failed:\n{out.stderr[-2000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    return r["write_s"], r["read_s"]
+
+
 def run_io(args) -> dict:
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
-    total = args.total_mib << 20
     rows = []
-    steps = len(CHUNK_SIZES) * args.repeats
-    bar = tqdm(total=steps, desc="storage io", disable=args.no_progress)
-    for bs in CHUNK_SIZES:
+    sizes = [(bs, (args.small_total_mib if bs < (64 << 10) else args.total_mib) << 20) for bs in args.chunk_sizes]
+    bar = tqdm(total=len(sizes) * args.repeats, desc="storage io", disable=args.no_progress)
+    for bs, total in sizes:
         n = total // bs
+        batch = max(1, args.job_bytes // bs)
         pool = HostPool(n, bs)
         pool.array[:] = np.random.default_rng(0).integers(0, 256, pool.array.shape[1], dtype=np.uint8)
-        ddw, ddr, tw, tow, tr = [], [], [], [], []
-        for _ in range(args.repeats):  # interleaved, so drift hits both alike
-            f = root / "dd.bin"
-            ddw.append(dd_write(f, bs, n))
-            ddr.append(dd_read(f, bs, n))
-            f.unlink()
-            w, ow, r = tier_write_read(root / "tier", pool, args.batch, args.io_threads, args.num_files)
-            tw.append(w)
-            tow.append(ow)
-            tr.append(r)
+        t = {k: [] for k in ("ddw", "ddr", "tw", "tow", "tr", "vw", "vr")}
+        for _ in range(args.repeats):  # interleaved, so drift hits all alike
+            w, r = dd_write_read(root / "dd.bin", bs, n)
+            t["ddw"].append(w)
+            t["ddr"].append(r)
+            w, ow, r = tier_write_read(root / "tier", pool, batch, args.io_threads, args.num_files)
+            t["tw"].append(w)
+            t["tow"].append(ow)
+            t["tr"].append(r)
+            if args.vllm_python:
+                w, r = vllm_fs_write_read(args.vllm_python, root / "vllm-fs", bs, n, batch)
+                t["vw"].append(w)
+                t["vr"].append(r)
             bar.update()
         pool.close()
         gb = n * bs / 1e9
-        row = {"chunk_bytes": bs, "total_bytes": n * bs,
-               "dd_write_GBps": gb / statistics.median(ddw), "dd_read_GBps": gb / statistics.median(ddr),
-               "tier_write_GBps": gb / statistics.median(tw), "tier_overwrite_GBps": gb / statistics.median(tow),
-               "tier_read_GBps": gb / statistics.median(tr)}
-        row["write_ratio"] = row["tier_write_GBps"] / row["dd_write_GBps"]
-        row["overwrite_ratio"] = row["tier_overwrite_GBps"] / row["dd_write_GBps"]
-        row["read_ratio"] = row["tier_read_GBps"] / row["dd_read_GBps"]
-        rows.append(row)
+        rate = {k: gb / statistics.median(v) if v else float("nan") for k, v in t.items()}
+        rows.append({"chunk_bytes": bs, "total_bytes": n * bs, "job_chunks": batch,
+                     **{f"{k}_GBps": v for k, v in rate.items()},
+                     "write_vs_dd": rate["tw"] / rate["ddw"], "overwrite_vs_dd": rate["tow"] / rate["ddw"],
+                     "read_vs_dd": rate["tr"] / rate["ddr"],
+                     "write_vs_vllm": rate["tw"] / rate["vw"], "read_vs_vllm": rate["tr"] / rate["vr"],
+                     "seconds": t})
     bar.close()
-    print(f"{'chunk':>8} | {'dd write':>9} {'tier fresh':>10} {'ratio':>6} {'tier overwrite':>14} {'ratio':>6} | "
-          f"{'dd read':>8} {'tier read':>9} {'ratio':>6}   (GB/s, median of {args.repeats})")
+    print(f"GB/s, median of {args.repeats}; ours = kvoffload storage tier (store: fresh slabs + index commit; "
+          "overwrite: a full tier's steady state); page cache dropped before every read")
+    print(f"{'chunk':>7} | {'dd':>5} {'vllm':>5} {'ours':>5} {'ovw':>5} {'/dd':>5} {'/vllm':>6} | "
+          f"{'dd':>5} {'vllm':>5} {'ours':>5} {'/dd':>5} {'/vllm':>6}")
+    print(f"{'':>7} | {'store':^37} | {'load':^31}")
     for r in rows:
-        print(f"{r['chunk_bytes'] >> 10:>6}Ki | {r['dd_write_GBps']:>9.2f} {r['tier_write_GBps']:>10.2f} "
-              f"{r['write_ratio']:>6.2f} {r['tier_overwrite_GBps']:>14.2f} {r['overwrite_ratio']:>6.2f} | "
-              f"{r['dd_read_GBps']:>8.2f} {r['tier_read_GBps']:>9.2f} {r['read_ratio']:>6.2f}")
-    return {"io": rows, "io_threads": args.io_threads, "num_files": args.num_files, "batch_chunks": args.batch}
+        print(f"{r['chunk_bytes'] >> 10:>5}Ki | {r['ddw_GBps']:>5.2f} {r['vw_GBps']:>5.2f} {r['tw_GBps']:>5.2f} "
+              f"{r['tow_GBps']:>5.2f} {r['write_vs_dd']:>5.2f} {r['write_vs_vllm']:>6.2f} | "
+              f"{r['ddr_GBps']:>5.2f} {r['vr_GBps']:>5.2f} {r['tr_GBps']:>5.2f} {r['read_vs_dd']:>5.2f} "
+              f"{r['read_vs_vllm']:>6.2f}")
+    return {"io": rows, "io_threads": args.io_threads, "num_files": args.num_files, "job_bytes": args.job_bytes}
 
 
 # ---- replay -----------------------------------------------------------------
@@ -324,14 +366,13 @@ def plot(result: dict, path: Path) -> None:
     for ax, k in zip(axes[0], panels):
         if k == "io":
             x = np.arange(len(result["io"]))
-            bars = [("dd_write_GBps", "dd write"), ("tier_write_GBps", "tier write (fresh)"),
-                    ("tier_overwrite_GBps", "tier write (overwrite)"),
-                    ("dd_read_GBps", "dd read"), ("tier_read_GBps", "tier read")]
+            bars = [("ddw_GBps", "dd store"), ("vw_GBps", "vLLM fs store"), ("tw_GBps", "ours store"),
+                    ("ddr_GBps", "dd load"), ("vr_GBps", "vLLM fs load"), ("tr_GBps", "ours load")]
             for off, (key, label) in enumerate(bars):
-                ax.bar(x + (off - 2) * 0.16, [r[key] for r in result["io"]], 0.16, label=label)
+                ax.bar(x + (off - 2.5) * 0.14, [r[key] for r in result["io"]], 0.14, label=label)
             ax.set_xticks(x, [f"{r['chunk_bytes'] >> 10} KiB" for r in result["io"]])
             ax.set_ylabel("GB/s (O_DIRECT)")
-            ax.set_title("storage tier vs dd, same filesystem")
+            ax.set_title("storage tier vs dd O_DIRECT and vLLM's fs tier")
             ax.legend()
         else:
             rows = result[k]
@@ -349,10 +390,14 @@ def main() -> None:
     p.add_argument("what", nargs="?", choices=("io", "paced", "replay", "all"), default="all")
     p.add_argument("--dir", default="/tmp/kvoffload-bench-storage",
                    help="scratch directory on the filesystem to measure (removed afterwards)")
-    p.add_argument("--total-mib", type=int, default=256, help="bytes per measured write/read, MiB")
+    p.add_argument("--total-mib", type=int, default=1024, help="bytes per measured write/read, MiB")
+    p.add_argument("--small-total-mib", type=int, default=256, help="the same for chunks under 64 KiB")
+    p.add_argument("--chunk-sizes", type=lambda s: [int(x) for x in s.split(",")], default=list(CHUNK_SIZES))
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--batch", type=int, default=16, help="chunks per store/load job")
-    p.add_argument("--io-threads", type=int, default=4)
+    p.add_argument("--job-bytes", type=int, default=4 << 20, help="bytes per store/load job (io)")
+    p.add_argument("--vllm-python", help="python of a vLLM 0.33 venv: its filesystem tier is measured too")
+    p.add_argument("--batch", type=int, default=16, help="chunks per store/load job (paced)")
+    p.add_argument("--io-threads", type=int, default=16)
     p.add_argument("--num-files", type=int, default=4, help="slab files of the storage tier")
     p.add_argument("--trace", default=str(TRACE))
     p.add_argument("--limit", type=int, help="replay only the first N requests")

@@ -124,3 +124,129 @@ def test_admission_names_a_filter_of_tiering_admission(tmp_path):
         _spec(tmp_path, admission="lfu")
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\]\.admission"):
         _spec(tmp_path, admission=["tinylfu"])
+
+
+# ---- disk: one namespace directory, nothing left by a failed start ---------
+
+HERE = __import__("pathlib").Path(__file__).parent
+
+
+def _ns_dirs(root) -> dict[str, list[str]]:
+    """ns-* directory -> its files, under a storage path (empty if none)."""
+    import os
+
+    if not os.path.isdir(root):
+        return {}
+    return {d: sorted(os.listdir(os.path.join(root, d))) for d in os.listdir(root) if d.startswith("ns-")}
+
+
+def _canonical_spec(tmp_path):
+    """A tiered spec and KV caches of whole canonical pages: the tiers'
+    namespace turns out "agnostic" only once get_worker() sees them."""
+    import sys
+
+    sys.path.insert(0, str(HERE.parent / "layout"))
+    from layout_ref import canonical_kv_caches, full_cache
+
+    from kvoffload.config import OffloadingConfig
+    from kvoffload.layout import LayerLayout, ParallelLayout
+    from kvoffload.tiering import TieredOffloadingSpec
+
+    layer, par = LayerLayout(16, 2, 32, torch.float16), ParallelLayout(0, 1)
+    kv = canonical_kv_caches([(full_cache(layer, 8), layer)], [[0]], par)
+    chunk = kv.group_data_refs[0][0].mapping.canonical_page_size_bytes
+    config = OffloadingConfig.from_dict({"groups": [16], "extra_config": {
+        "num_cpu_chunks": 6, "kv_bytes_per_chunk": chunk, "namespace": {"model": "m"},
+        "secondary_tiers": [{"type": "storage", "path": str(tmp_path / "kv"), "capacity_bytes": "256KiB"}]}})
+    return TieredOffloadingSpec(config), kv
+
+
+@pytest.mark.parametrize("manager_first", [True, False])
+def test_first_start_makes_one_namespace_directory(tmp_path, manager_first):
+    """The spec checks its tiers at construction, then keeps nothing: the
+    namespace is known once the KV caches are. Opened before them (the
+    manager first), the assumed namespace's directory is removed when the
+    tier reopens under the real one: one directory, one capacity of slabs."""
+    import json
+    import os
+
+    spec, kv = _canonical_spec(tmp_path)
+    assert _ns_dirs(tmp_path / "kv") == {}  # checked, released: nothing on disk yet
+    if manager_first:
+        spec.get_manager()
+        (opened,) = _ns_dirs(tmp_path / "kv").values()
+        assert not [f for f in opened if f.startswith("slab-")]  # no disk space taken before the layout is known
+    worker = spec.get_worker(kv)
+    mgr = spec.get_manager()
+    dirs = _ns_dirs(tmp_path / "kv")
+    assert len(dirs) == 1, dirs
+    (name, files), = dirs.items()
+    assert json.loads((tmp_path / "kv" / name / "namespace.json").read_text())["parallel_layout"] == "agnostic"
+    slabs = [f for f in files if f.startswith("slab-")]
+    assert sum(os.path.getsize(tmp_path / "kv" / name / f) for f in slabs) == 256 << 10
+    mgr.shutdown()
+    worker.shutdown()
+
+
+def test_a_start_failing_after_the_tiers_were_built_removes_what_they_created(tmp_path):
+    from kvoffload.kv_caches import random_kv_caches
+
+    spec = _spec(tmp_path)
+    spec.get_manager()  # the tiers are open (a directory made)
+    assert len(_ns_dirs(tmp_path / "kv")) == 1
+    _, wrong = random_kv_caches(8, [4096])  # pages of another size than the configured chunk
+    with pytest.raises(Exception):
+        spec.get_worker(wrong)
+    assert not (tmp_path / "kv").exists()  # the directory this start made is gone
+
+
+EXITS = """
+import sys
+sys.path.insert(0, {here!r})
+from kvoffload.abstractions import GPULoadStoreSpec, ReqContext
+from kvoffload.kv_caches import random_kv_caches
+from test_tiering_spec import _spec
+from tiering_rig import END, key
+import pathlib
+spec = _spec(pathlib.Path(sys.argv[1]))
+tensors, caches = random_kv_caches(8, [8192, 8192])
+mgr, worker = spec.get_manager(), spec.get_worker(caches)  # slab files made
+if sys.argv[2] == "store":
+    ctx = ReqContext("r")
+    mgr.on_new_request(ctx)
+    out = mgr.prepare_store([key(1)], ctx)
+    assert worker.submit_store(1, GPULoadStoreSpec([0]), out.store_spec)
+    worker.wait({{1}})
+    mgr.complete_store(out.keys_to_store, ctx)
+    for _ in range(200):
+        mgr.on_schedule_end(END)
+        mgr.wait_idle()
+        if mgr.get_stats().children[1].counters.get("stored_blocks"):
+            break
+raise RuntimeError("the engine failed after the tiers were built")
+"""
+
+
+@pytest.mark.parametrize("then", ["nothing", "store"])
+def test_a_process_failing_after_start_leaves_no_unused_slabs(tmp_path, then):
+    """An engine that fails later (an exception out of its start, its
+    process exiting) leaves no slab file it never stored to; one that stored
+    keeps its directory, and the block stored is committed at exit."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", EXITS.format(here=str(HERE)), str(tmp_path), then],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 1 and "the engine failed" in out.stderr, out.stderr
+    if then == "nothing":
+        assert not (tmp_path / "kv").exists(), _ns_dirs(tmp_path / "kv")
+        return
+    spec = _spec(tmp_path)
+    mgr = spec.get_manager()
+    ctx = ReqContext("s")
+    mgr.on_new_request(ctx)
+    assert mgr.lookup(key(1), ctx) is not None and len(_ns_dirs(tmp_path / "kv")) == 1
+    assert mgr.tiers[0].backend.get_manager().lookup(key(1), ctx).name == "HIT"
+    mgr.shutdown()

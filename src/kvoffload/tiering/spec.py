@@ -18,11 +18,17 @@ extra_config (besides the CPU spec's keys, kvoffload.tiers.cpu.spec):
   remote_url                   shorthand for one more remote tier ("mooncake" for a
                                mooncake://HOST:PORT url, else "redis")
 
-The tiers are opened (directories checked, indexes read) as soon as the
-chunk size is known: at construction when kv_bytes_per_chunk /
-kv_bytes_per_token is given, else at get_worker(). Opened before the KV
-caches exist, they assume opaque per-rank pages; get_worker() reopens
-them if the pages turn out canonical (they hold nothing before then).
+The tiers are checked (directories opened, indexes read, servers reached)
+at construction when kv_bytes_per_chunk / kv_bytes_per_token is given, so
+config errors and unusable directories surface then, and released at once:
+the namespace (parallel_layout) is known only once the KV caches are, and a
+start refused before them must leave nothing behind. They are opened for
+use by get_manager() / get_worker(); a storage tier takes its disk space
+(slab files) only when its worker is made. Opened before the KV caches
+exist (get_manager() first), they assume opaque per-rank pages, and
+get_worker() reopens them if the pages turn out canonical: the first
+namespace's directory, unused, is removed. A get_worker() that fails
+releases the tiers and removes what they created.
 
 The secondary workers read and write host-pool chunks, and the pool is made
 by the CPU worker, so they are attached (attach_tier_workers) where the pool
@@ -52,7 +58,8 @@ from kvoffload.tiering.tier import (
     get_tier_class,
     tier_type_names,
 )
-from kvoffload.tiers.base import Namespace, align_up
+from kvoffload.align import align_up
+from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.cpu.spec import CPUOffloadingSpec
 
@@ -83,6 +90,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         self._tiers: list[Tier] | None = None
         if self.kv_bytes_per_chunk is not None:
             self._build_tiers()  # config errors and unusable directories surface now
+            self._release_tiers()  # nothing kept before the namespace is known
 
     # ---- the CPU spec's, read through --------------------------------------
 
@@ -134,11 +142,16 @@ class TieredOffloadingSpec(OffloadingSpec):
             for i, conf in enumerate(self.tier_configs):
                 tiers.append(self._build_tier(i, conf, names, paths))
         except BaseException:
-            for t in tiers:  # release what was opened (fds, directory locks) so a retry can succeed
-                t.manager.shutdown()
+            _release(tiers)  # what was opened (fds, directory locks, files made) so a retry can succeed
             raise
         self._tiers = tiers
         return tiers
+
+    def _release_tiers(self) -> None:
+        """Close the tiers; the ones that stored nothing also remove what they created."""
+        if self._tiers is not None:
+            tiers, self._tiers = self._tiers, None
+            _release(tiers)
 
     def _build_tier(self, i: int, conf: dict[str, Any], names: set[str], paths: dict[str, int]) -> Tier:
         where = f"secondary_tiers[{i}]"
@@ -189,18 +202,29 @@ class TieredOffloadingSpec(OffloadingSpec):
             return
         self.parallel_layout = actual
         if self._tiers is not None and given is None:  # opened under the assumed layout: reopen
-            for t in self._tiers:
-                t.manager.shutdown()
-            self._tiers = None
+            self._release_tiers()  # unused (no worker yet): the assumed namespace's files go
             tiers = self._build_tiers()
             if self._tiering is not None:  # no worker attached yet, so its tiers were never used
                 self._tiering.replace_tiers(tiers)
 
     def get_worker(self, kv_caches: CanonicalKVCaches) -> OffloadingWorker:
-        self._set_parallel_layout(kv_caches)
-        worker = self.cpu.get_worker(kv_caches)
-        self.attach_tier_workers(worker.pool)  # same process: the tiers need the CPU worker's pool
+        try:
+            self._set_parallel_layout(kv_caches)
+            worker = self.cpu.get_worker(kv_caches)
+            self.attach_tier_workers(worker.pool)  # same process: the tiers need the CPU worker's pool
+        except BaseException:  # a failed start removes what it created (slab files included)
+            self._release_tiers()
+            raise
         return worker
+
+
+def _release(tiers: list[Tier]) -> None:
+    for t in tiers:
+        discard = getattr(t.backend, "discard", None)
+        if discard is not None:
+            discard()
+        else:
+            t.manager.shutdown()
 
 
 def _tier_configs(extra: dict[str, Any]) -> list[dict[str, Any]]:

@@ -24,15 +24,10 @@ from kvoffload.abstractions import (
     OffloadingManager,
     TransferResult,
 )
+from kvoffload.align import ALIGN, align_up  # noqa: F401 (re-exported for the tiers)
 
 if TYPE_CHECKING:
     from kvoffload.tiers.host_pool import HostPool
-
-ALIGN = 4096  # O_DIRECT and page alignment
-
-
-def align_up(n: int, a: int = ALIGN) -> int:
-    return (n + a - 1) // a * a
 
 
 def even_runs(n: int, k: int) -> list[tuple[int, int]]:

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvoffload.tiers.base import ALIGN, align_up
+from kvoffload.align import ALIGN, align_up
 
 
 def slot_bytes(chunk_bytes: int, trailer_bytes: int = 0) -> int:

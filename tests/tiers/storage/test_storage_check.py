@@ -83,6 +83,12 @@ def test_empty_namespace_json(stored, capsys):
     assert rc == 1 and "damaged: namespace.json is empty" in out, out
 
 
+def test_deleted_index_beside_slab_files_is_damage(stored, capsys):
+    os.unlink(stored / "index.log")  # every chunk in the slabs is lost: reported, not "ok"
+    rc, out = _run(capsys, stored)
+    assert rc == 1 and "damaged: index.log is missing beside 2 slab files" in out, out
+
+
 def test_missing_slab_file(stored, capsys):
     os.unlink(stored / "slab-1.bin")
     rc, out = _run(capsys, stored)

@@ -6,12 +6,13 @@ from __future__ import annotations
 import os
 import shutil
 
+import numpy as np
 import pytest
 
 from kvoffload.abstractions import LookupResult
 from kvoffload.tiers.storage.store import StorageError
 from kvoffload.tiers.storage.tier import StorageTier
-from storage_helpers import CHUNK, CTX, NS, fill, key, load, open_in_child, store
+from storage_helpers import CHUNK, CTX, NS, expected, fill, key, load, open_in_child, store
 
 
 def test_path_under_a_file_is_a_clear_startup_error(tmp_path, make_tier):
@@ -111,25 +112,30 @@ def test_path_must_be_a_string(tmp_path, monkeypatch, path):
     assert os.listdir(tmp_path) == []
 
 
-@pytest.mark.parametrize("content", [b"", b"\0\0\0", b'{"model": "test-mo', b"[" * 30000 + b"]" * 30000])
-def test_empty_or_damaged_namespace_json(make_tier, pool, content):
-    """A crash right after creation can leave it empty: with nothing indexed
-    it is rebuilt; with chunks indexed it is a one-line error naming the file."""
+@pytest.mark.parametrize("content", [None, b"", b"\0\0\0", b'{"model": "test-mo', b"[" * 30000 + b"]" * 30000])
+def test_missing_empty_or_damaged_namespace_json(make_tier, pool, content):
+    """Deleted, or left empty by a crash right after creation: with no chunk
+    in the directory it is rebuilt; with chunks there it is a one-line error
+    naming the file (never a directory of chunks reused as if fresh)."""
     from storage_helpers import close
+
+    def spoil(meta):
+        meta.unlink() if content is None else meta.write_bytes(content)
 
     tier = make_tier()
     meta = tier.store.dir / "namespace.json"
     good = meta.read_bytes()
     close(tier)
-    meta.write_bytes(content)
-    tier = make_tier()  # nothing indexed yet: rebuilt
+    spoil(meta)
+    tier = make_tier()  # nothing stored yet: rebuilt
     assert meta.read_bytes() == good
     fill(pool, 0, key(1))
     assert store(tier, pool, [key(1)], [0])
     close(tier)
-    meta.write_bytes(content)
-    with pytest.raises(StorageError, match=rf"{meta} is (empty|damaged).*delete") as e:
+    spoil(meta)
+    with pytest.raises(StorageError, match=rf"{meta} is (missing|empty|damaged).*delete") as e:
         make_tier()
+    assert content is not None or not meta.exists()  # not rewritten behind the user's back
     assert "\n" not in str(e.value)
     meta.write_bytes(good)  # restored, as the message says: served again
     assert make_tier().get_manager().lookup(key(1), CTX) is LookupResult.HIT
@@ -204,3 +210,30 @@ def test_io_threads_out_of_range_is_named_before_anything_is_opened(tmp_path, th
     with pytest.raises(ConfigError, match=r"secondary_tiers\[0\] \(storage\)\.io_threads") as e:
         StorageTier.from_config({"path": str(tmp_path / "s"), "capacity_bytes": "1MiB", "io_threads": threads}, ctx)
     assert "\n" not in str(e.value) and not (tmp_path / "s").exists()
+
+
+def test_a_bad_slot_inside_a_run_of_adjacent_slots_is_the_only_one_dropped(make_tier, pool):
+    """Adjacent slots are read in one IO: a slab cut short in the middle of
+    the run, or a flipped byte in one slot, costs those slots only."""
+    tier = make_tier(capacity_slots=8, num_files=1)  # one file: the job's slots are adjacent
+    mgr = tier.get_manager()
+    keys = [key(i) for i in range(5)]
+    for c, k in enumerate(keys):
+        fill(pool, c, k)
+    assert store(tier, pool, keys, list(range(5)))
+    slots = [mgr._slot_of[k] for k in keys]
+    assert slots == list(range(5))
+    slab = tier.store.dir / "slab-0.bin"
+    os.truncate(slab, 3 * CHUNK)  # slots 3 and 4 are gone
+    with open(slab, "r+b") as f:  # and slot 1 holds a wrong byte
+        f.seek(CHUNK + 77)
+        b = f.read(1)
+        f.seek(CHUNK + 77)
+        f.write(bytes([b[0] ^ 1]))
+    assert not load(tier, pool, keys, list(range(8, 13)), job_id=7)
+    assert [mgr.lookup(k, CTX) for k in keys] == [LookupResult.HIT, LookupResult.MISS, LookupResult.HIT,
+                                                  LookupResult.MISS, LookupResult.MISS]
+    c = mgr.get_stats().counters
+    assert c["checksum_failures"] == 1 and c["load_failures"] == 2, c
+    assert load(tier, pool, [keys[0], keys[2]], [8, 9], job_id=8)
+    np.testing.assert_array_equal(pool.chunk(9), expected(keys[2]))

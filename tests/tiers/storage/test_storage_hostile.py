@@ -57,10 +57,11 @@ def test_directory_planted_by_another_user_is_refused(tmp_path, make_tier):
         shutil.rmtree(shared)
 
 
-def test_links_in_our_own_directory_are_never_followed(tmp_path, make_tier):
+def test_links_in_our_own_directory_are_never_followed(tmp_path, make_tier, pool):
     victims = _victims(tmp_path)
     a, b = victims
     tier = make_tier()
+    tier.get_worker(pool)  # the slab files are made with the worker
     d = tier.store.dir
     close(tier)
     for tmp in ("index.tmp", "index.log.tmp", "namespace.json.tmp"):  # temporaries are created exclusively
@@ -117,3 +118,46 @@ def test_a_fifo_in_our_directory_is_refused_not_waited_on(tmp_path, make_tier, n
     out = open_in_child(tmp_path / "store", 8, timeout=60)
     assert out.returncode == 3 and out.stdout.count("\n") == 1, out
     assert f"{d / name}" in out.stdout and "not a regular file" in out.stdout, out
+
+
+def _stored_dir(make_tier, pool):
+    from storage_helpers import fill, key, store
+
+    tier = make_tier()
+    fill(pool, 0, key(1))
+    assert store(tier, pool, [key(1)], [0])
+    d = tier.store.dir
+    close(tier)
+    return d
+
+
+@pytest.mark.parametrize("name", ["slab-0.bin", "index.log", "namespace.json", "lock"])
+def test_a_hard_link_in_our_directory_is_refused(tmp_path, make_tier, pool, name):
+    """A second name of one of our files (maybe another user's, in a shared
+    directory) would be written through: refused by its link count."""
+    d = _stored_dir(make_tier, pool)
+    other = tmp_path / "other-name"
+    os.link(d / name, other)
+    before = other.read_bytes()
+    with pytest.raises(StorageError, match=rf"{d / name} has 2 hard links") as e:
+        make_tier()
+    assert "\n" not in str(e.value)
+    assert other.read_bytes() == before
+    other.unlink()
+    close(make_tier())  # the other name gone: served again
+
+
+@as_root
+@pytest.mark.parametrize("name", ["slab-0.bin", "index.log", "namespace.json", "lock"])
+def test_a_file_of_another_user_in_our_directory_is_refused(make_tier, pool, name):
+    """index.log and namespace.json are refused like the slabs: another user's
+    file decides what is served (or is written through)."""
+    d = _stored_dir(make_tier, pool)
+    nobody = pwd.getpwnam("nobody")
+    os.chown(d / name, nobody.pw_uid, nobody.pw_gid)
+    with pytest.raises(StorageError, match=rf"{d / name} is not a regular file of this user") as e:
+        make_tier()
+    assert "\n" not in str(e.value)
+    assert os.stat(d / name).st_uid == nobody.pw_uid  # left as it is
+    os.chown(d / name, 0, 0)
+    close(make_tier())

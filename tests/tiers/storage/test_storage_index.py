@@ -17,18 +17,18 @@ RECORD = 128  # bytes per index record
 
 
 def _stream(tier: StorageTier, n: int, batch: int = 8) -> None:
-    """n stores into a full tier through the index API, as the worker's
-    commit thread issues them: FREE the slots to be overwritten, then PUT."""
+    """n stores into a full tier through the index API, as the worker records
+    them (each overwriting a slot), with a group commit after each batch."""
     s = tier.store
     for b in range(0, n, batch):
         slots = [(b + j) % s.num_slots for j in range(batch)]
-        s.commit([], slots)
-        s.commit([(slot, key(b + j), b + j) for j, slot in enumerate(slots)], [])
+        s.record_stored([(slot, key(b + j), b + j) for j, slot in enumerate(slots)])
+        assert s.flush()
 
 
 def test_log_stays_bounded_over_a_long_stream(make_tier):
     tier = make_tier(capacity_slots=32)
-    _stream(tier, 3000)  # 6,000 records appended: 750 KiB if never compacted
+    _stream(tier, 6000)  # 6,000 records appended: 750 KiB if never compacted
     log = tier.store.dir / "index.log"
     live = dict(tier.store.durable)
     assert len(live) == 32

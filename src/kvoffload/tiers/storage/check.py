@@ -25,7 +25,8 @@ from pathlib import Path
 
 import xxhash
 
-from kvoffload.tiers.base import Namespace, align_up
+from kvoffload.align import align_up
+from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.storage.index import Geometry, IndexLog, open_regular, read_header, replay_fd
 
 
@@ -98,7 +99,11 @@ def check_namespace_dir(d: Path) -> Report:
         try:
             ifd = open_regular(IndexLog.NAME, dfd)
         except FileNotFoundError:
-            return rep  # created, never stored to: empty
+            slabs = sorted(n for n in os.listdir(dfd) if n.startswith("slab-") and n.endswith(".bin"))
+            if slabs:  # the tier writes the index before any slab file: it was lost or deleted
+                rep.problems.append(f"{IndexLog.NAME} is missing beside {_plural(len(slabs), 'slab file')}: "
+                                    "every chunk in them is lost (misses)")
+            return rep  # else: created, never stored to: empty
         except OSError as e:
             rep.problems.append(f"{IndexLog.NAME}: {_why(e)}")
             return rep

@@ -297,8 +297,9 @@ class IndexLog:
             raise
         self.records = 1
 
-    def needs_compaction(self, live: int) -> bool:
-        return self.records > 2 * live + COMPACT_SLACK
+    def needs_compaction(self, live: int, appending: int = 0) -> bool:
+        """Whether the log, with `appending` more records, outgrows `live` entries."""
+        return self.records + appending > 2 * live + COMPACT_SLACK
 
     def close(self) -> None:
         if self._fd >= 0:

@@ -6,74 +6,78 @@ lock}. Slot s lives in slab s % num_files at offset (s // num_files) *
 slot_bytes, so consecutive slots spread over the files (and the disk's queues).
 Everything is created 0600 (directories 0700). One process at a time: a second
 opener of the same directory gets a clear error rather than a shared mess.
+The slab files are made and sized (fallocate) at allocate(), when the worker
+is made, not at open: an open only reads the index.
+
+Durability (a cache needs integrity, not the durability of each block):
+- A store is acknowledged once its bytes are written to its slot; its index
+  record (slot, key, xxh3 of the bytes) is queued and written by the group
+  commit (commit.py): every `commit_interval_ms`, or sooner once
+  `commit_records` wait, and at close. A commit first fdatasyncs the slab
+  files written since the last one, then appends the records and fdatasyncs
+  the log: a record on disk names bytes on disk.
+- A reused slot gets no record before it is overwritten: its old record
+  stays until the new one is committed, and names the old bytes' checksum.
+- Every load compares the slot's bytes with the checksum its record names.
+So a `kill -9` costs at most the stores acknowledged in the last commit
+interval (their records were not written yet): they are misses after a
+restart, as is a slot overwritten in that interval whose old record is still
+there (a checksum mismatch, counted as a checksum failure). A power loss
+costs the same (what the last commit made durable survives). A torn or stale
+slot never matches its record's checksum: a wrong byte is never served (short
+of a 64-bit hash collision). After a clean close nothing is lost.
 
 The directory is opened once (O_NOFOLLOW) and refused unless this user owns
 it and nobody else can write it; every file in it is opened relative to that
-descriptor, never through a symbolic link, and temporary files are created
-exclusively: another user who guessed the (computable) directory name cannot
-make us write through links they planted. A failed open removes what it
-created.
+descriptor, never through a symbolic link, and refused unless a regular
+file of this user with one link (a hard link's other name could be written
+through); temporary files are created exclusively: another user who guessed
+the (computable) directory name cannot make us write through links they
+planted. A failed open removes what it created; so does discard(), for an
+open that stored nothing.
 """
 
 from __future__ import annotations
 
+import atexit
 import errno
 import fcntl
 import json
 import logging
 import os
-import stat
-import threading
-from concurrent.futures import ThreadPoolExecutor
+import weakref
 from dataclasses import asdict
 from pathlib import Path
 
-from kvoffload.config import ConfigError
-from kvoffload.tiers.base import ALIGN, Namespace
-from kvoffload.tiers.storage.index import (
-    OP_FREE, OP_PUT, RECORD_BYTES, Geometry, IndexLog, open_regular, write_atomically,
+from kvoffload.align import ALIGN
+from kvoffload.tiers.base import Namespace
+from kvoffload.tiers.storage.commit import IndexedSlots
+from kvoffload.tiers.storage.files import (  # noqa: F401 (StorageError, open_dir: re-exported)
+    _NOFOLLOW, _OPEN, _OPEN_LOCK, StorageError, make_dirs, open_dir, refuse_unless_own, remove_made,
 )
+from kvoffload.tiers.storage.index import RECORD_BYTES, Geometry, IndexLog, open_regular, write_atomically
 
 log = logging.getLogger(__name__)
 
-_NOFOLLOW = os.O_NOFOLLOW | os.O_CLOEXEC
-# (st_dev, st_ino) of the directories open in this process: a second opener
-# here is told that, not "another process"
-_OPEN: set[tuple[int, int]] = set()
-_OPEN_LOCK = threading.Lock()
+# stores open in this process: at exit each commits what waits, or, having
+# stored nothing, removes what it created (an engine whose start failed after
+# the tiers were built exits with nothing of theirs left behind)
+_LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
-class StorageError(ConfigError):
-    """The storage directory cannot be used (named in the message)."""
+@atexit.register
+def _at_exit() -> None:
+    for store in list(_LIVE):
+        try:
+            store.release_at_exit()
+        except Exception:  # best effort at exit: never a traceback there
+            log.debug("storage directory %s: not released at exit", store.dir, exc_info=True)
 
 
-def open_dir(path: Path) -> int:
-    """An O_NOFOLLOW descriptor of a storage directory this user owns and
-    nobody else can write; StorageError (one line) otherwise."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | _NOFOLLOW)
-    except OSError as e:
-        if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(path):
-            raise StorageError(f"storage directory {path} is a symbolic link: refusing it "
-                               "(point path at the real directory)") from None
-        raise
-    st = os.fstat(fd)
-    uid = os.geteuid()
-    if st.st_uid != uid:
-        os.close(fd)
-        raise StorageError(f"storage directory {path} belongs to uid {st.st_uid}, not to this "
-                           f"process (uid {uid}): refusing it, another user could have planted "
-                           "links there; remove it or choose another path")
-    if st.st_mode & 0o022:
-        os.close(fd)
-        raise StorageError(f"storage directory {path} is writable by others (mode "
-                           f"{stat.S_IMODE(st.st_mode):04o}): refusing it; `chmod go-w` it or remove it")
-    return fd
-
-
-class SlabStore:
+class SlabStore(IndexedSlots):
     def __init__(self, path: str | os.PathLike, namespace: Namespace, slot_bytes: int,
-                 num_slots: int, num_files: int = 4, direct_io: bool = True):
+                 num_slots: int, num_files: int = 4, direct_io: bool = True,
+                 commit_interval_s: float = 0.1, commit_records: int = 4096):
         if slot_bytes <= 0 or slot_bytes % ALIGN:
             raise ValueError(f"slot_bytes must be a positive multiple of {ALIGN}, got {slot_bytes}")
         if num_slots <= 0:
@@ -83,53 +87,40 @@ class SlabStore:
         self.num_slots = num_slots
         self.num_files = max(1, min(num_files, num_slots))
         self.dir = Path(path) / f"ns-{namespace.digest()}"
-        self.fds: list[int] = []
+        self.direct_io = direct_io
+        self.commit_records = max(1, commit_records)
+        self.fds: list[int] = []  # -1 until allocate() makes a missing slab file
         self.index: IndexLog | None = None
         self._dir_fd = -1
         self._dir_id: tuple[int, int] | None = None
         self._lock_fd = -1
-        self._syncer: ThreadPoolExecutor | None = None
-        # what this open made, undone if it fails
+        self._syncer = None  # a ThreadPoolExecutor for sync_data, made at first use
+        self._flusher = None
+        self._allocated = False
+        # what this open (and allocate()) made, undone if it fails or by discard()
         self._made_dirs: list[Path] = []
         self._made_files: list[str] = []
         self._grown: dict[str, int] = {}  # slab name -> size before we grew it
         try:
-            self._open(direct_io)
+            self._open()
         except OSError as e:
             self._undo()
-            # files are opened relative to the directory: name them in full
-            name = self.dir / e.filename if isinstance(e.filename, str) else self.dir
-            if e.errno == errno.ELOOP:
-                raise StorageError(f"{name} is a symbolic link: refusing to follow it") from None
-            raise StorageError(f"storage directory {self.dir}: {e.strerror or os.strerror(e.errno or 0)} "
-                               f"({name})") from None
+            raise self._named(e) from None
         except BaseException:
             self._undo()
             raise
-        self._made_dirs, self._made_files, self._grown = [], [], {}
-        # slot -> (key, checksum) of every durable entry; guarded by _lock
-        self.durable = self.index.entries
-        self.bad_index_records = self.index.bad_records
-        self._lock = threading.Lock()
-        self._commit_lock = threading.Lock()  # orders index appends and compactions
-        self._corrupt: list[tuple[int, str]] = []  # (slot, counter)
-        self._loaded = 0  # blocks of successful loads, counted by the worker
+        self._init_entries(commit_interval_s)
+        _LIVE.add(self)
 
-    def _make_dirs(self) -> None:
-        missing = []
-        p = self.dir
-        while not os.path.lexists(p):
-            missing.append(p)
-            p = p.parent
-        for d in reversed(missing):
-            try:
-                os.mkdir(d, 0o700 if d == self.dir else 0o777)
-            except FileExistsError:
-                continue
-            self._made_dirs.append(d)
+    def _named(self, e: OSError) -> StorageError:
+        # files are opened relative to the directory: name them in full
+        name = self.dir / e.filename if isinstance(e.filename, str) else self.dir
+        if e.errno == errno.ELOOP:
+            return StorageError(f"{name} is a symbolic link: refusing to follow it")
+        return StorageError(f"storage directory {self.dir}: {e.strerror or os.strerror(e.errno or 0)} ({name})")
 
-    def _open(self, direct_io: bool) -> None:
-        self._make_dirs()
+    def _open(self) -> None:
+        self._made_dirs = make_dirs(self.dir)
         self._dir_fd = dfd = open_dir(self.dir)
         st = os.fstat(dfd)
         with _OPEN_LOCK:
@@ -138,39 +129,76 @@ class SlabStore:
                                    "(the same path configured twice?)")
             _OPEN.add((st.st_dev, st.st_ino))
         self._dir_id = (st.st_dev, st.st_ino)
+        for name in ("lock", "namespace.json", IndexLog.NAME, *self._slab_names()):
+            self._refuse_foreign(name)
         self._lock_fd = self._open_file("lock", os.O_RDWR)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise StorageError(f"storage directory {self.dir} is in use by another process") from None
         self._check_namespace()
-        slots_per_file = -(-self.num_slots // self.num_files)
-        size = slots_per_file * self.slot_bytes
-        self._check_space(size)
-        self.direct_io = direct_io
-        for i in range(self.num_files):
-            name = f"slab-{i}.bin"
-            fd = self._open_slab(name, direct_io)
-            self.fds.append(fd)
-            have = os.fstat(fd).st_size
-            if have > size:
-                os.ftruncate(fd, size)
-            elif have < size and name not in self._made_files:
-                self._grown[name] = have
-            try:
-                os.posix_fallocate(fd, 0, size)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise StorageError(f"storage directory {self.dir}: no space for "
-                                       f"{self.num_files * size} bytes of slab files") from None
-                raise
+        self._check_space(self._slab_size())
+        for name in self._slab_names():  # the ones there are opened (checked) now, the rest made by allocate()
+            self.fds.append(self._open_slab(name) if self._exists(name) else -1)
         geometry = Geometry(self.namespace.digest(), self.slot_bytes, self.num_files)
         if not self._exists(IndexLog.NAME):
+            if any(fd >= 0 for fd in self.fds):
+                log.warning("%s: no %s beside its slab files: the chunks in them are lost (misses)",
+                            self.dir, IndexLog.NAME)
             self._made_files.append(IndexLog.NAME)
         self.index = IndexLog(dfd, geometry, self.num_slots)
         if self.index.bad_records:
             log.warning("%s/%s: %d damaged records skipped (their chunks are misses)",
                         self.dir, IndexLog.NAME, self.index.bad_records)
+
+    def _slab_names(self) -> list[str]:
+        return [f"slab-{i}.bin" for i in range(self.num_files)]
+
+    def _slab_size(self) -> int:
+        return -(-self.num_slots // self.num_files) * self.slot_bytes
+
+    def allocate(self) -> None:
+        """Make the missing slab files and size them all to the capacity
+        (once; the worker calls it): until then the open holds no disk space."""
+        if self._allocated:
+            return
+        size = self._slab_size()
+        try:
+            for i, name in enumerate(self._slab_names()):
+                if self.fds[i] < 0:
+                    self.fds[i] = self._open_slab(name)
+                fd = self.fds[i]
+                have = os.fstat(fd).st_size
+                if have > size:
+                    os.ftruncate(fd, size)
+                elif have < size and name not in self._made_files:
+                    self._grown.setdefault(name, have)
+                try:
+                    os.posix_fallocate(fd, 0, size)
+                except OSError as e:
+                    if e.errno == errno.ENOSPC:
+                        raise StorageError(f"storage directory {self.dir}: no space for "
+                                           f"{self.num_files * size} bytes of slab files") from None
+                    raise
+        except OSError as e:
+            self._give_back_slabs()
+            raise self._named(e) from None
+        except BaseException:
+            self._give_back_slabs()
+            raise
+        self._allocated = True
+
+    def _give_back_slabs(self) -> None:
+        """Remove the slab files this open made and shrink the ones it grew."""
+        for i, name in enumerate(self._slab_names()):
+            if name in self._made_files or name in self._grown:
+                if self.fds[i] >= 0:
+                    os.close(self.fds[i])
+                    self.fds[i] = -1
+        remove_made(self._dir_fd, [n for n in self._made_files if n.startswith("slab-")],
+                          {n: size for n, size in self._grown.items()})
+        self._made_files = [n for n in self._made_files if not n.startswith("slab-")]
+        self._grown = {}
 
     def _exists(self, name: str) -> bool:
         try:
@@ -179,6 +207,13 @@ class SlabStore:
         except FileNotFoundError:
             return False
 
+    def _refuse_foreign(self, name: str) -> None:
+        try:
+            st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        refuse_unless_own(self.dir / name, st)
+
     def _open_file(self, name: str, flags: int) -> int:
         """Open (creating it if missing) a regular file of ours in the directory."""
         try:
@@ -186,44 +221,52 @@ class SlabStore:
         except FileNotFoundError:
             fd = os.open(name, flags | _NOFOLLOW | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=self._dir_fd)
             self._made_files.append(name)
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+        try:
+            refuse_unless_own(self.dir / name, os.fstat(fd))
+        except StorageError:
             os.close(fd)
-            raise StorageError(f"{self.dir / name} is not a regular file of this user: refusing it")
+            raise
         return fd
 
     def _check_namespace(self) -> None:
+        """namespace.json guards the chunks: missing, empty or damaged, it is
+        written afresh only where the directory holds no chunk (no index
+        entry, no slab file); else the open is refused."""
         meta = self.dir / "namespace.json"
         want = asdict(self.namespace)
         try:
             fd = open_regular("namespace.json", self._dir_fd)
         except FileNotFoundError:
-            self._write_namespace()
-            self._made_files.append("namespace.json")
-            return
-        with os.fdopen(fd, "rb") as f:
-            raw = f.read(1 << 16)
+            fd, raw, what = -1, b"", "missing"
+        else:
+            with os.fdopen(fd, "rb") as f:
+                raw = f.read(1 << 16)
+            what = "empty" if not raw.strip() else "damaged (not a JSON object)"
         try:
-            got = json.loads(raw)
+            got = json.loads(raw) if fd >= 0 else None
         except (ValueError, RecursionError):  # RecursionError: arrays nested thousands deep
             got = None
-        if not isinstance(got, dict):
-            what = "empty" if not raw.strip() else "damaged (not a JSON object)"
-            if self._index_empty():  # nothing here is served without it: safe to rebuild
-                log.warning("%s was %s and no chunk is indexed: rewritten", meta, what)
-                self._write_namespace()
-                return
-            raise StorageError(f"{meta} is {what}: it guards the chunks indexed in {self.dir}; "
+        if isinstance(got, dict):
+            if got != want:
+                raise StorageError(f"{meta} records another namespace (digest collision)")
+            return
+        if self._holds_chunks():
+            raise StorageError(f"{meta} is {what}: it guards the chunks in {self.dir}; "
                                "restore it, or delete that directory to start afresh")
-        if got != want:
-            raise StorageError(f"{meta} records another namespace (digest collision)")
+        if fd >= 0:
+            log.warning("%s was %s and the directory holds no chunk: rewritten", meta, what)
+        else:
+            self._made_files.append("namespace.json")
+        self._write_namespace()
 
-    def _index_empty(self) -> bool:
+    def _holds_chunks(self) -> bool:
+        if any(self._exists(n) for n in self._slab_names()):
+            return True
         try:
             st = os.stat(IndexLog.NAME, dir_fd=self._dir_fd, follow_symlinks=False)
         except FileNotFoundError:
-            return True
-        return st.st_size <= RECORD_BYTES  # a header at most
+            return False
+        return st.st_size > RECORD_BYTES  # more than a header
 
     def _write_namespace(self) -> None:
         blob = json.dumps(asdict(self.namespace), sort_keys=True).encode()
@@ -232,9 +275,9 @@ class SlabStore:
     def _check_space(self, size: int) -> None:
         """Refuse a capacity the filesystem cannot hold before creating anything."""
         need = 0
-        for i in range(self.num_files):
+        for name in self._slab_names():
             try:
-                st = os.stat(f"slab-{i}.bin", dir_fd=self._dir_fd, follow_symlinks=False)
+                st = os.stat(name, dir_fd=self._dir_fd, follow_symlinks=False)
                 need += max(0, size - st.st_blocks * 512)
             except FileNotFoundError:
                 need += size
@@ -245,35 +288,50 @@ class SlabStore:
                                f"files, its filesystem has {free} free; lower capacity_bytes")
 
     def _undo(self) -> None:
-        """After a failed open: close, and remove what this open created."""
+        """Close, and remove what this open (and allocate()) created."""
         grown, made, dirs = self._grown, self._made_files, self._made_dirs
         dfd = os.dup(self._dir_fd) if self._dir_fd >= 0 else -1
-        self.close()
+        self._close_files()
         if dfd >= 0:
-            for name, size in grown.items():
-                try:
-                    fd = os.open(name, os.O_WRONLY | _NOFOLLOW, dir_fd=dfd)
-                    try:
-                        os.ftruncate(fd, size)
-                    finally:
-                        os.close(fd)
-                except OSError:
-                    pass
-            for name in made:
-                try:
-                    os.unlink(name, dir_fd=dfd)
-                except OSError:
-                    pass
+            remove_made(dfd, made, grown)
             os.close(dfd)
         for d in reversed(dirs):
             try:
                 os.rmdir(d)
             except OSError:
                 break  # not empty (someone else's files) or gone: leave it
+        self._made_dirs, self._made_files, self._grown = [], [], {}
 
-    def _open_slab(self, name: str, direct_io: bool) -> int:
+    def discard(self) -> None:
+        """Close; if nothing was stored since the open, also remove what it
+        created (a namespace opened for a layout that turned out another, or
+        a start that failed): no unused directory or slab file is left."""
+        _LIVE.discard(self)
+        if self._stored:
+            self.close()
+            return
+        self._stop_flusher(commit=False)
+        self._undo()
+
+    def release_at_exit(self) -> None:
+        """discard() for a process that exits: the files are not closed (an
+        IO thread may still be writing, and a closed descriptor's number
+        could be reused under it); the kernel closes them."""
+        if self._stored:
+            self.flush()
+            return
+        self._stop_flusher(commit=False)
+        if self._dir_fd >= 0:
+            remove_made(self._dir_fd, self._made_files, self._grown)
+        for d in reversed(self._made_dirs):
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+
+    def _open_slab(self, name: str) -> int:
         existed = self._exists(name)
-        if direct_io:
+        if self.direct_io:
             try:
                 return self._open_file(name, os.O_RDWR | os.O_DIRECT)
             except OSError as e:
@@ -290,144 +348,23 @@ class SlabStore:
         """(file descriptor, byte offset) of a slot."""
         return self.fds[slot % self.num_files], (slot // self.num_files) * self.slot_bytes
 
-    # --- index updates (called by the worker's commit thread) ---
-
-    def commit(self, puts: list[tuple[int, bytes, int]], frees: list[int]) -> None:
-        """One durable index append for many jobs (group commit): PUT
-        (slot, key, checksum) entries, whose bytes must already be durable,
-        then FREEs of slots about to be overwritten (only those the index
-        names). A slot can be in both: its new owner is evicted already.
-        Raises OSError with nothing applied if the records are not all
-        durable."""
-        put_slots = {s for s, _, _ in puts}
-        with self._commit_lock:
-            with self._lock:
-                held = [s for s in frees if s in self.durable or s in put_slots]
-            pack = self.index.pack
-            records = [pack(OP_PUT, s, c, k) for s, k, c in puts]
-            records += [pack(OP_FREE, s) for s in held]
-            if records or self.index.dirty:
-                self._append(b"".join(records))
-            with self._lock:  # visible to loads only once durable
-                for s, k, c in puts:
-                    self.durable[s] = (k, c)
-                for s in held:
-                    self.durable.pop(s, None)
-            self._maybe_compact()
-
-    def _append(self, records: bytes) -> None:
-        """Append durably (the caller holds _commit_lock); a dirty log is
-        first replaced by the durable entries, so no record a failed append
-        left behind can name a slot about to be overwritten."""
-        if self.index.dirty:
-            with self._lock:
-                snapshot = list(self.durable.items())
-            self.index.rewrite(snapshot)
-        if records:
-            self.index.append(records)
-
-    def _maybe_compact(self) -> None:
-        """Rewrite the log as the live entries once it outgrows them (the
-        caller holds _commit_lock, so no append can fall between the
-        snapshot and the rename)."""
-        if not self.index.needs_compaction(len(self.durable)):
-            return
-        with self._lock:
-            snapshot = list(self.durable.items())
-        try:
-            self.index.rewrite(snapshot)
-        except OSError as e:  # the old log is intact: try again on a later commit
-            log.warning("storage index %s: compaction failed: %s", self.dir, e)
-
-    def names_any(self, slots) -> bool:
-        """Whether the index holds an entry for any of these slots (a dirty
-        log may hold anything: a store then passes a commit, which fixes it)."""
-        if self.index.dirty:
-            return True
-        with self._lock:
-            return any(s in self.durable for s in slots)
-
-    def expected_checksum(self, slot: int) -> int | None:
-        with self._lock:
-            entry = self.durable.get(slot)
-        return None if entry is None else entry[1]
-
-    def report_corrupt(self, slot: int, counter: str = "checksum_failures") -> None:
-        """A slot that is bad (counter says how): dropped, never served again."""
-        with self._commit_lock:
-            with self._lock:
-                self._corrupt.append((slot, counter))
-                self.durable.pop(slot, None)
-            try:
-                self._append(self.index.pack(OP_FREE, slot))
-            except OSError as e:
-                log.warning("storage index: cannot record a freed slot: %s", e)
-
-    def take_corrupt(self) -> list[tuple[int, str]]:
-        """(slot, counter) of the slots found bad since the last call (for the manager)."""
-        if not self._corrupt:
-            return []
-        with self._lock:
-            out, self._corrupt = self._corrupt, []
-        return out
-
-    def count_loaded(self, n: int) -> None:
-        with self._lock:
-            self._loaded += n
-
-    def take_loaded(self) -> int:
-        with self._lock:
-            n, self._loaded = self._loaded, 0
-        return n
-
-    def clear(self) -> None:
-        """Forget every entry, on disk too: the log is cut to its header, which
-        needs no free space (a reset must hold on a full disk)."""
-        with self._commit_lock:
-            with self._lock:
-                self.durable.clear()
-            self.index.void()
-
-    def forget(self, slots: list[int]) -> None:
-        """Forget these slots (a reset keeping the rest), on disk too. If their
-        FREEs cannot be written (a full disk), the log is cut to its header
-        instead: the kept entries are then missing on disk (misses after a
-        restart, never stale blocks) until the next commit rewrites it."""
-        try:
-            self.commit([], slots)
-        except OSError as e:
-            with self._commit_lock:
-                with self._lock:
-                    for s in slots:
-                        self.durable.pop(s, None)
-                    kept = len(self.durable)
-                self.index.void()
-                self.index.dirty = True  # put the kept entries back with the next commit
-            log.warning("storage index %s: cannot record a cache reset (%s): index emptied on disk instead "
-                        "(%d blocks still in use are misses after a restart until the next store)",
-                        self.dir, e.strerror or e, kept)
-
-    def sync_data(self, fds) -> None:
-        """fdatasync the given slab files, concurrently: the filesystem
-        journal folds concurrent syncs into one commit."""
-        fds = list(fds)
-        if len(fds) <= 1:
-            for fd in fds:
-                os.fdatasync(fd)
-            return
-        if self._syncer is None:
-            self._syncer = ThreadPoolExecutor(self.num_files, thread_name_prefix="kvoffload-storage-sync")
-        for f in [self._syncer.submit(os.fdatasync, fd) for fd in fds]:
-            f.result()  # re-raises an OSError here
-
     def close(self) -> None:
+        """Commit what waits, then release everything (a clean close loses nothing)."""
+        _LIVE.discard(self)
+        self._stop_flusher(commit=True)
+        self._close_files()
+        self._made_dirs, self._made_files, self._grown = [], [], {}  # kept: a later discard() removes nothing
+
+    def _close_files(self) -> None:
         if self._syncer is not None:
             self._syncer.shutdown()
             self._syncer = None
         if self.index is not None:
             self.index.close()
+            self.index = None
         for fd in self.fds:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         self.fds = []
         if self._lock_fd >= 0:
             os.close(self._lock_fd)

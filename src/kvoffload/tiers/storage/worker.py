@@ -1,16 +1,14 @@
 """Moves whole chunks between host-pool slots and slab-file slots with
-O_DIRECT, on a small pool of IO threads plus one commit thread.
+O_DIRECT, on a small pool of IO threads.
 
 Host-pool chunks are page-aligned and a multiple of 4 KiB, so they are read
 and written in place (no bounce buffer). A job is split into one task per
-IO thread. A store job passes the commit thread twice:
-- before its writes: FREE records for the slots it will overwrite are made
-  durable (so a crash mid-write never leaves an index entry over new bytes);
-- after its writes: the slabs are fdatasync'd, then its PUT records are
-  appended and made durable (a block is visible only once its bytes are).
-The commit thread takes every job waiting at once, so many jobs share one
-fdatasync per slab file and one index append (group commit).
-A load checks each chunk's xxhash against the index as it is read; a
+IO thread: runs of slots adjacent in a slab file go in one pwritev/preadv.
+A store job completes once its bytes are written: its slots'
+entries (key, xxh3 of the bytes) are then recorded in the SlabStore, served
+from then on, and reach the index log with the store's next group commit
+(commit.py; what a crash costs: store.py). No sync sits on a store's path.
+A load checks each chunk's xxhash against its entry as it is read; a
 mismatch, a short read or a read error fails the job and the slot is
 reported bad (a miss from then on, never served). IO errors fail the job
 (the tiering manager turns that into a miss or a dropped store) and never
@@ -30,12 +28,16 @@ from collections import deque
 import xxhash
 
 from kvoffload.abstractions import CPULoadStoreSpec, LoadStoreSpec, TransferResult
-from kvoffload.tiers.base import TierWorker, align_up
+from kvoffload.align import align_up
+from kvoffload.tiers.base import TierWorker
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.storage.manager import StorageLoadStoreSpec
 from kvoffload.tiers.storage.store import SlabStore
 
 log = logging.getLogger(__name__)
+
+MAX_RUN_BYTES = 4 << 20  # one IO at most: a large job still spreads over the IO threads
+MAX_RUN_CHUNKS = 512  # iovecs per IO (IOV_MAX is 1024)
 
 
 class _Job:
@@ -74,11 +76,8 @@ class StorageWorker(TierWorker):
         self._finished: deque[TransferResult] = deque()
         self._done = threading.Condition()
         self._in_flight: set[int] = set()
-        self._commits: queue.SimpleQueue = queue.SimpleQueue()  # (job, bytes written?)
         self._threads = [threading.Thread(target=self._run, name=f"kvoffload-storage-io-{i}",
                                           daemon=True) for i in range(self.io_threads)]
-        self._threads.append(threading.Thread(target=self._run_commits, name="kvoffload-storage-commit",
-                                              daemon=True))
         for t in self._threads:
             t.start()
 
@@ -113,7 +112,6 @@ class StorageWorker(TierWorker):
             self._done.wait_for(lambda: not self._in_flight, timeout=60)
         for _ in range(self.io_threads):
             self._tasks.put(None)
-        self._commits.put(None)
         for t in self._threads:
             t.join(timeout=30)
 
@@ -124,34 +122,45 @@ class StorageWorker(TierWorker):
             raise ValueError(f"job {job_id}: {len(slots)} storage slots for {len(chunks)} host chunks")
         slots = [int(s) for s in slots]
         chunks = [int(c) for c in chunks]
-        parts = min(self.io_threads, len(slots))
-        if parts == 0:
+        if not slots:
             self._finished.append(TransferResult(job_id, True, 0, 0.0))
             return True
-        job = _Job(job_id, is_store, slots, chunks, keys, parts)
+        parts = self._plan(slots)
+        job = _Job(job_id, is_store, slots, chunks, keys, len(parts))
         with self._done:
             self._in_flight.add(job_id)
-        if is_store and self.store.names_any(slots):
-            # first durably forget what the slots held. (Their last owners'
-            # PUTs are all applied: a slot is reused only after its owner's
-            # store completed and it was evicted.)
-            self._commits.put((job, False))
-        else:
-            self._enqueue_parts(job)
+        # a reused slot's old entry stays in the log until this store's is
+        # committed: it names the old bytes' checksum, so after a crash the
+        # slot is a miss, never the new bytes served as the old key
+        for runs in parts:
+            self._tasks.put((job, runs))
         return True
 
-    def _enqueue_parts(self, job: _Job) -> None:
-        for p in range(job.remaining):
-            self._tasks.put((job, p))
+    def _plan(self, slots: list[int]) -> list[list[tuple[int, int, list[int]]]]:
+        """The job's IO as runs (fd, offset, job indices) of slots adjacent in
+        one slab file, one pwritev/preadv each (at most MAX_RUN_BYTES), dealt
+        round-robin to at most io_threads parts."""
+        size, nf = self.store.slot_bytes, self.store.num_files
+        most = max(1, min(MAX_RUN_CHUNKS, MAX_RUN_BYTES // size))
+        runs: list[tuple[int, int, list[int]]] = []
+        for i in sorted(range(len(slots)), key=lambda i: (slots[i] % nf, slots[i])):
+            fd, off = self.store.locate(slots[i])
+            if runs and runs[-1][0] == fd and runs[-1][1] + len(runs[-1][2]) * size == off \
+                    and len(runs[-1][2]) < most:
+                runs[-1][2].append(i)
+            else:
+                runs.append((fd, off, [i]))
+        parts = min(self.io_threads, len(runs))
+        return [runs[p::parts] for p in range(parts)]
 
     def _run(self) -> None:
         while True:
             task = self._tasks.get()
             if task is None:
                 return
-            job, part = task
+            job, runs = task
             try:
-                self._do_part(job, part)
+                self._do_part(job, runs)
             except OSError as e:
                 log.warning("storage job %d failed: %s", job.job_id, e)
                 job.ok = False
@@ -163,38 +172,49 @@ class StorageWorker(TierWorker):
                 last = job.remaining == 0
             if last:
                 if job.is_store and job.ok:
-                    self._commits.put((job, True))
-                else:
-                    self._finish(job)
+                    self.store.record_stored(list(zip(job.slots, job.keys, job.checksums)))
+                self._finish(job)
 
-    def _do_part(self, job: _Job, part: int) -> None:
-        n = len(job.slots)
-        parts = min(self.io_threads, n)
-        lo, hi = part * n // parts, (part + 1) * n // parts
+    def _do_part(self, job: _Job, runs: list[tuple[int, int, list[int]]]) -> None:
         size = self.store.slot_bytes
-        for i in range(lo, hi):
+        for fd, off, idxs in runs:
             if not job.ok:
                 return
-            fd, off = self.store.locate(job.slots[i])
-            buf = self.pool.chunk_memoryview(job.chunks[i])[:size]
+            bufs = [self.pool.chunk_memoryview(job.chunks[i])[:size] for i in idxs]
             if job.is_store:
-                job.checksums[i] = self._checksum(buf)
-                if os.pwritev(fd, [buf], off) != size:
-                    raise OSError(f"short write to storage slot {job.slots[i]}")
-            else:
-                expected = self.store.expected_checksum(job.slots[i])
-                bad = None
-                try:
-                    if os.preadv(fd, [buf], off) != size:  # a truncated slab
-                        bad, counter = "short read", "load_failures"
-                except OSError as e:  # EIO (a bad sector): as unreadable
-                    bad, counter = f"read error ({e.strerror or e})", "load_failures"
-                if bad is None and (expected is None or self._checksum(buf) != expected):
-                    bad, counter = "checksum mismatch", "checksum_failures"
-                if bad is not None:  # dropped, so it answers MISS from now on instead of failing every load
-                    log.warning("storage slot %d: %s, dropped", job.slots[i], bad)
-                    self.store.report_corrupt(job.slots[i], counter)
-                    job.ok = False
+                for i, buf in zip(idxs, bufs):
+                    job.checksums[i] = self._checksum(buf)
+                if os.pwritev(fd, bufs, off) != size * len(bufs):
+                    raise OSError(f"short write to storage slots {[job.slots[i] for i in idxs]}")
+                continue
+            try:
+                whole = os.preadv(fd, bufs, off) == size * len(bufs)
+            except OSError:
+                whole = False
+            for k, (i, buf) in enumerate(zip(idxs, bufs)):
+                if not whole:  # which slot is short or unreadable: read them one by one
+                    self._read_one(job, i, fd, off + k * size, buf)
+                elif not self._matches(job, i, buf):
+                    self._drop(job, i, "checksum mismatch", "checksum_failures")
+
+    def _read_one(self, job: _Job, i: int, fd: int, off: int, buf: memoryview) -> None:
+        try:
+            if os.preadv(fd, [buf], off) != len(buf):  # a truncated slab
+                return self._drop(job, i, "short read", "load_failures")
+        except OSError as e:  # EIO (a bad sector): as unreadable
+            return self._drop(job, i, f"read error ({e.strerror or e})", "load_failures")
+        if not self._matches(job, i, buf):
+            self._drop(job, i, "checksum mismatch", "checksum_failures")
+
+    def _matches(self, job: _Job, i: int, buf: memoryview) -> bool:
+        expected = self.store.expected_checksum(job.slots[i])
+        return expected is not None and self._checksum(buf) == expected
+
+    def _drop(self, job: _Job, i: int, why: str, counter: str) -> None:
+        """A bad slot: dropped, so it answers MISS from now on instead of failing every load."""
+        log.warning("storage slot %d: %s, dropped", job.slots[i], why)
+        self.store.report_corrupt(job.slots[i], counter)
+        job.ok = False
 
     def _checksum(self, buf: memoryview) -> int:
         """xxh3 of the chunk followed by zeros to the slot's end (the padding may hold another tier's bytes)."""
@@ -204,35 +224,6 @@ class StorageWorker(TierWorker):
         h.update(buf[: self._used])
         h.update(self._zeros)
         return h.intdigest()
-
-    def _run_commits(self) -> None:
-        """Group commit: everything waiting shares one round of syncs."""
-        while True:
-            batch = [self._commits.get()]
-            while True:
-                try:
-                    batch.append(self._commits.get_nowait())
-                except queue.Empty:
-                    break
-            if any(item is None for item in batch):
-                return
-            written = [job for job, after in batch if after]
-            starting = [job for job, after in batch if not after]
-            puts = [e for job in written for e in zip(job.slots, job.keys, job.checksums)]
-            frees = [s for job in starting for s in job.slots]
-            try:
-                self.store.sync_data({self.store.locate(s)[0] for job in written for s in job.slots})
-                self.store.commit(puts, frees)
-            except OSError as e:
-                log.warning("storage index commit failed: %s", e)
-                for job in written + starting:
-                    job.ok = False
-                    self._finish(job)
-                continue
-            for job in written:
-                self._finish(job)
-            for job in starting:
-                self._enqueue_parts(job)
 
     def _finish(self, job: _Job) -> None:
         nbytes = len(job.slots) * self.store.slot_bytes if job.ok else 0
