@@ -233,9 +233,8 @@ class CPUOffloadingManager(SlotPins, CPUCounters, OffloadingManager):
     def prepare_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext | None = None, *, offered: bool = True
     ) -> PrepareStoreOutput | None:
-        """offered=False: not an engine's offer (a promotion): keys the policy
-        declines are not counted store_blocks_declined (the caller answers
-        them a miss)."""
+        """offered=False: not an engine's offer but a promotion: the policy
+        picks victims and is not asked to admit (see below)."""
         slot_of = self._slot_of
         try:
             new = [k for k in keys if k not in slot_of]
@@ -247,7 +246,11 @@ class CPUOffloadingManager(SlotPins, CPUCounters, OffloadingManager):
             if len(new) > 1:
                 new = list(dict.fromkeys(new))  # a key listed twice gets one slot
         free = self._free
-        admit = self._admit
+        # A promotion (offered=False) reads blocks back for a request that waits
+        # for them now: the policy picks its victims but is not asked to admit
+        # them (a prefix policy would take a head or nothing, and the request
+        # would recompute what a lower tier holds).
+        admit = self._admit if offered else None
         evicted: list[bytes] = []
         need = len(new) - len(free)
         declined = 0
