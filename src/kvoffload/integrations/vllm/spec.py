@@ -41,7 +41,7 @@ from typing import Any
 from kvoffload import metrics_vllm
 from kvoffload.abstractions import OffloadingSpec
 from kvoffload.config import ConfigError, check_known_keys
-from kvoffload.integrations.vllm import convert
+from kvoffload.integrations.vllm import convert, prime_metrics
 from kvoffload.integrations.vllm._compat import vbase
 from kvoffload.integrations.vllm.manager import VLLMOffloadingManager
 from kvoffload.integrations.vllm.worker import VLLMOffloadingWorker
@@ -88,6 +88,7 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
             from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as VLLMCPUOffloadingSpec
 
             VLLMCPUOffloadingSpec.register(cls)
+        prime_metrics.install(dict(extra_config), vllm_names)  # our series at 0 from start-up
         return convert.metric_definitions(build_metric_definitions(dict(extra_config)), vllm_names)
 
     def __init__(self, config: Any):
