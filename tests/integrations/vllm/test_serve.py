@@ -115,7 +115,7 @@ def test_storage_tier_serves_a_prompt_after_a_restart(model, tmp_path):
     storage = tmp_path / "storage"
     config = _kv_config(kvoffload_spec="tiered", secondary_tiers=[
         {"type": "storage", "path": str(storage), "capacity_bytes": "256MiB"}])
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}  # vLLM's default: scheduler and worker are two processes
     prompt = _prompt(2)
 
     first = Server(model, config, tmp_path / "storage1.log", GPU_BLOCKS, MAX_LEN, env)
