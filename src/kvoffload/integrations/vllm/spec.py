@@ -187,7 +187,7 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
                 "kvoffload secondary tiers (storage, remote) need the host pool of vLLM's worker, and none "
                 f"is at {self.inner.shared_pool_path}: run the worker first, or scheduler and worker in one "
                 "process (the 'uni' executor; on CPU: VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-        if self._spec_cls is not CPUOffloadingSpec:
+        if self._spec_cls is not CPUOffloadingSpec or any(k in extra for k in CPUOffloadingSpec.OWN_KEYS):
             self.inner = self._spec_cls(dataclasses.replace(self.kvoffload_config, extra_config=extra))
         self.inner.take_pool_geometry()
         manager = self.inner.get_manager()
@@ -214,7 +214,7 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
 
 def _accepted_keys(spec_cls: type) -> set[str]:
     """extra_config keys a kvoffload spec class accepts (EXTRA_KEYS along its MRO)."""
-    keys: set[str] = set()
+    keys: set[str] = set(getattr(spec_cls, "OWN_KEYS", ()))  # the class's own (CPU: store_threshold)
     for c in spec_cls.__mro__:
         keys.update(c.__dict__.get("EXTRA_KEYS", ()))
     return keys
