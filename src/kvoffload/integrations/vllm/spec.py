@@ -23,7 +23,9 @@ the chunk geometry from the file, then removes it (all ranks have it
 mapped by then). vLLM counts a job done when every rank reports it. Pages
 are canonical, so they are those TP=1 would store. Secondary tiers run
 in the scheduler's process on the same pool (mapped there too), so a
-chunk persisted at TP=2 serves a TP=1 engine.
+chunk persisted at TP=2 serves a TP=1 engine. At TP=1, vLLM's multi-process
+executor (`vllm serve`'s default on CPU) puts the one worker in a process of
+its own: with secondary tiers it takes the same path (one rank).
 
 Model kinds: the worker's process builds its spec while vLLM loads the
 model, so it reads each layer's KVCacheSpec (convert.model_layer_specs) and
