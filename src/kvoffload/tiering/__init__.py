@@ -10,20 +10,20 @@
   spec.py       TieredOffloadingSpec (the "tiered" spec)
 """
 
-from kvoffload.tiering.manager import TieringManager
-from kvoffload.tiering.spec import TieredOffloadingSpec
-from kvoffload.tiering.tier import (
-    DEFAULT_MAX_QUEUE_DEPTH,
-    DEFAULT_STORE_THRESHOLD,
-    TIER_KEYS,
-    Tier,
-    TierContext,
-    get_tier_class,
-    register_tier_type,
-    tier_type_names,
-)
+import importlib
 
-__all__ = [
-    "DEFAULT_MAX_QUEUE_DEPTH", "DEFAULT_STORE_THRESHOLD", "TIER_KEYS", "Tier", "TierContext",
-    "TieredOffloadingSpec", "TieringManager", "get_tier_class", "register_tier_type", "tier_type_names",
-]
+# Names resolved on first use (PEP 562), so importing one module of this
+# package (admission.py, from the CPU tier) does not load the whole package.
+_WHERE = {
+    "TieringManager": "manager", "TieredOffloadingSpec": "spec",
+    **dict.fromkeys(("DEFAULT_MAX_QUEUE_DEPTH", "DEFAULT_STORE_THRESHOLD", "TIER_KEYS", "Tier", "TierContext",
+                     "get_tier_class", "register_tier_type", "tier_type_names"), "tier"),
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)

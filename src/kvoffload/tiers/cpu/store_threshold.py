@@ -19,7 +19,7 @@ from collections.abc import Collection
 from typing import Any
 
 from kvoffload.abstractions import OffloadingStats, PrepareStoreOutput
-from kvoffload.policies.admission import StoreCountAdmission
+from kvoffload.tiering.admission import StoreCountAdmission
 
 DEFAULT_TRACKER_KEYS = 64_000  # vLLM's max_tracker_size default
 
