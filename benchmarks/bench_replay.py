@@ -23,7 +23,8 @@ from kvoffload.replay.cli import parse_capacity
 from kvoffload.replay.engine import EngineOptions, replay
 from kvoffload.replay.oracle import simulate
 from kvoffload.replay.report import summary
-from kvoffload.replay.traces import load_trace, shared_trace_path
+from kvoffload.replay.traces import load_trace
+from shared_traces import shared_trace_path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = shared_trace_path()
