@@ -21,7 +21,7 @@ from kvoffload.replay.cli_checks import (  # noqa: F401 - parse_capacity: the be
     sweep_points,
     write_output,
 )
-from kvoffload.replay.cli_options import build_options, load, start_observability, stop_observability
+from kvoffload.replay.cli_options import ENGINE_BATCHED_TOKENS, build_options, load, start_observability, stop_observability
 from kvoffload.replay.engine_time import TIME_MODELS
 from kvoffload.replay.models import DEFAULT_MODEL, MODEL_PRESETS, preset_table
 from kvoffload.replay.sweep import default_workers, fit_workers, replay_once, run_sweep
@@ -76,10 +76,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--gpu-blocks", type=int, default=0,
                    help="GPU prefix cache size in blocks (0: the trace README's reference semantics)")
     e.add_argument("--max-running", type=int, default=1, help="requests in flight at once (default 1)")
-    e.add_argument("--max-batched-tokens", type=int, default=0,
-                   help="prompt tokens computed per step (vLLM's chunked prefill; vLLM's default is 8192): a "
-                        "long prompt is stored a chunk a step, as vLLM stores it (default 0: each prompt "
-                        "whole in one step)")
+    e.add_argument("--max-batched-tokens", type=int,
+                   help="prompt tokens computed per step (vLLM's chunked prefill): a long prompt is stored a "
+                        f"chunk a step, as vLLM stores it (default: {ENGINE_BATCHED_TOKENS}, `vllm serve`'s on an "
+                        "H100, with --time-model engine and --order vllm; else 0: each prompt whole in one step)")
     e.add_argument("--model", choices=sorted(MODEL_PRESETS), metavar="PRESET",
                    help=f"a model on a GPU: its KV bytes per token, prefill and decode rates (default "
                         f"{DEFAULT_MODEL} for the time model; copies stay at 16 B/token unless --model is "

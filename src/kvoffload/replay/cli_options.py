@@ -14,14 +14,25 @@ from kvoffload.replay.cli_checks import parse_capacity, policy_list, tier_rate
 from kvoffload.replay.models import DEFAULT_MODEL, FAST_KV_BYTES_PER_TOKEN, MODEL_PRESETS, ModelPreset
 from kvoffload.replay.trace_model import Trace
 from kvoffload.replay.traces import load_trace, mark_final_turns
-from kvoffload.tiers.base import align_up
 
+# vLLM's max_num_batched_tokens for `vllm serve` on a GPU of 70 GiB or more (an H100)
+ENGINE_BATCHED_TOKENS = 8192
+STORAGE_ALIGN = 4096  # the storage tier's slots: O_DIRECT-aligned chunks
 # extra_config keys that put a tier below CPU
 LOWER_TIER_KEYS = ("storage_dir", "remote_url", "secondary_tiers")
 
 
 def preset(args) -> ModelPreset:
     return MODEL_PRESETS[args.model or DEFAULT_MODEL]
+
+
+def batched_tokens(args, timing: str) -> int:
+    """--max-batched-tokens, else the engine's chunked prefill under engine
+    time (a step computes at most that many prompt tokens, as vLLM's does),
+    else 0 (each prompt whole in one step: the fast mode's figures)."""
+    if args.max_batched_tokens is not None:
+        return args.max_batched_tokens
+    return ENGINE_BATCHED_TOKENS if timing == "engine" and args.order == "vllm" else 0
 
 
 def time_model(args, extra: dict[str, Any]) -> str:
@@ -102,9 +113,9 @@ def build_options(args, trace: Trace, cpu_blocks: str | None = None, policy: str
     if args.storage_bytes:
         extra["storage_bytes"] = parse_bytes(args.storage_bytes, "--storage-bytes")
     kv = args.kv_bytes_per_token or (preset(args).kv_bytes_per_token if args.model else FAST_KV_BYTES_PER_TOKEN)
-    if args.storage_blocks:  # a storage slot holds one chunk, rounded up to 4 KiB
+    if args.storage_blocks:  # a storage slot holds one chunk (a block here), rounded up to 4 KiB
         slots = parse_capacity(args.storage_blocks, trace.num_unique_blocks(), "--storage-blocks")
-        extra["storage_bytes"] = slots * align_up(kv * trace.block_size)
+        extra["storage_bytes"] = slots * (-(-kv * trace.block_size // STORAGE_ALIGN) * STORAGE_ALIGN)
     if args.remote_url:
         extra["remote_url"] = args.remote_url
     if args.offload_prompt_only is not None:
@@ -116,13 +127,14 @@ def build_options(args, trace: Trace, cpu_blocks: str | None = None, policy: str
             extra["namespace"] = {**ns, "model": f"{ns.get('model', 'unknown')} (replay {point})"}
     spec = args.spec or ("tiered" if (args.storage_dir or args.remote_url) else "cpu")
     model = preset(args)
+    timing = time_model(args, extra)
     return EngineOptions(
         spec=spec, extra_config=extra, kv_bytes_per_token=kv, gpu_blocks=args.gpu_blocks,
-        max_running=args.max_running, max_batched_tokens=args.max_batched_tokens, arrival=args.arrival,
+        max_running=args.max_running, max_batched_tokens=batched_tokens(args, timing), arrival=args.arrival,
         time_compression=args.time_compression,
         prefill_tokens_per_s=args.prefill_tokens_per_s or model.prefill_tokens_per_s,
         decode_tokens_per_s=args.decode_tokens_per_s or model.decode_tokens_per_s,
-        model_kv_bytes_per_token=model.kv_bytes_per_token, time_model=time_model(args, extra),
+        model_kv_bytes_per_token=model.kv_bytes_per_token, time_model=timing,
         tier_bandwidth=dict(tier_rate(item) for item in args.tier_bandwidth) or None,
         strict=args.strict, verify=args.verify,
         sync_tiers=args.sync_tiers, copy_thread=args.copy_thread,
