@@ -106,8 +106,9 @@ class PacedWorker:
             self._collect()
         out = []
         for j in due:
-            del self._due[j]
-            out.append(self._ready.pop(j))
+            if j in self._ready:  # (a worker reports a job before wait() returns: always, here)
+                del self._due[j]
+                out.append(self._ready.pop(j))
         # results of jobs this wrapper never scheduled (none expected): as they come
         out.extend(self._ready.pop(j) for j in [j for j in self._ready if j not in self._due])
         return out
