@@ -116,3 +116,12 @@ def test_a_cpu_tier_too_small_for_the_longest_prompt_is_warned(tmp_path, mooncak
     assert "WARNING" in out.out
     _, out = run_json([str(p), "--cpu-blocks", "20", *tiers], tmp_path, capsys)
     assert "warning" not in out.err and "WARNING" not in out.out
+
+
+def test_a_bandwidth_for_no_such_tier_is_one_line(tmp_path, capsys):
+    argv = ["replay", "--sessions", "3", "--no-progress", "--storage-dir", str(tmp_path / "kv"),
+            "--storage-blocks", "50%", "--tier-bandwidth", "ssd=1GB/s"]
+    assert main(argv) == 2
+    out = capsys.readouterr()
+    assert out.err == ("kvoffload replay: tier bandwidth given for 'ssd': no such tier below CPU "
+                       "(the tiers: storage)\n")

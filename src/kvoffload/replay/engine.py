@@ -208,7 +208,11 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder, EngineTime):
         inline = getattr(self.worker, "run_copies_inline", None)
         self.copies_inline = not opts.copy_thread and inline is not None and inline()
         # The engine calls both through timed proxies (their share of the time).
-        self._install_clock()  # (engine time: the tiers' workers paced by a simulated clock)
+        try:
+            self._install_clock()  # (engine time: the tiers' workers paced by a simulated clock)
+        except ConfigError:
+            self.close()
+            raise
         self.mgr = TimedManager(self.manager)
         self.wrk = TimedWorker(self.worker)
         self._content = Stopwatch()  # writing and checking block contents

@@ -20,6 +20,7 @@ A mixin of ReplayEngine (engine.py): it reads and writes the engine's state.
 
 from __future__ import annotations
 
+from kvoffload.config import ConfigError
 from kvoffload.replay.tier_clock import PacedWorker, SimClock, default_bandwidth
 
 IDLE_TICK_S = 0.001  # an idle step with no tier job in flight (the fast clock's minimum step too)
@@ -38,9 +39,12 @@ class EngineTime:
         self.clock = SimClock()
         block_bytes = self.opts.model_kv_bytes_per_token * self.trace.block_size
         rates = self.opts.tier_bandwidth or {}
-        for t in getattr(self.manager, "tiers", None) or ():
-            if t.worker is None:
-                continue
+        tiers = [t for t in getattr(self.manager, "tiers", None) or () if t.worker is not None]
+        unknown = sorted(set(rates) - {t.name for t in tiers})
+        if unknown:
+            raise ConfigError(f"tier bandwidth given for {', '.join(map(repr, unknown))}: no such tier below CPU "
+                              f"(the tiers: {', '.join(t.name for t in tiers) or 'none'})")
+        for t in tiers:
             bw = rates.get(t.name, default_bandwidth(t))
             t.worker = self._paced[t.name] = PacedWorker(t.worker, self.clock, bw, block_bytes)
 
