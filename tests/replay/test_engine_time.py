@@ -113,6 +113,8 @@ def test_a_cpu_tier_too_small_for_the_longest_prompt_is_warned(tmp_path, mooncak
     line = ("kvoffload replay: warning: the CPU tier (8 blocks) is smaller than this trace needs (20: twice its "
             "longest prompt, 10 blocks;")
     assert line in out.err
+    # half of CPU (4) returns from below: 6 + 0 + 6 of the 24 prompt blocks are beyond it
+    assert "50.0% of the prompt blocks are out of their reach" in out.err
     assert "WARNING" in out.out
     _, out = run_json([str(p), "--cpu-blocks", "20", *tiers], tmp_path, capsys)
     assert "warning" not in out.err and "WARNING" not in out.out

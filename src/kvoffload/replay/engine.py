@@ -237,6 +237,9 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder, EngineTime):
         self._jobs: dict[int, Job] = {}  # submitted, not completed
         self.c: dict[str, float] = dict.fromkeys(COUNTERS, 0)
         self.c["longest_prompt_blocks"] = max(len(r.block_hashes) for r in trace.requests)
+        half = getattr(self._primary, "num_chunks", 0) // 2  # what promotions may hold (tiering/promotion.py)
+        if half:  # prompt blocks the tiers below can never return: past half of CPU
+            self.c["blocks_beyond_half_cpu"] = sum(max(0, len(r.block_hashes) - half) for r in trace.requests)
         self._tiers: dict[str, dict[str, Any]] = {}
         self.timeline: list[dict[str, float]] = []
 

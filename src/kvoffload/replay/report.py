@@ -145,9 +145,12 @@ def cpu_size_warning(r: ReplayResult) -> str | None:
     need = cpu_blocks_needed(r)
     if len(leaves) < 2 or not cap or cap >= need:
         return None
+    beyond = r.counters.get("blocks_beyond_half_cpu", 0)
+    refs = r.counters["block_refs"]
     return (f"the CPU tier ({int(cap):,} blocks) is smaller than this trace needs ({need:,}: twice its longest "
             f"prompt, {need // 2:,} blocks; promotions from the tiers below hold at most half of CPU), so "
-            f"long prompts get at most {int(cap) // 2:,} blocks back from below")
+            f"long prompts get at most {int(cap) // 2:,} blocks back from below: {_rate(beyond, refs):.1%} of "
+            f"the prompt blocks are out of their reach")
 
 
 def time_rows(r: ReplayResult, s: dict[str, Any]) -> list[tuple[str, str]]:
