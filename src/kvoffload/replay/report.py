@@ -219,6 +219,9 @@ def _rows(r: ReplayResult) -> list[tuple[str, str]]:
             rows.append(("    modeled bandwidth", f"{et['bandwidth_Bps'] / 1e9:.2f} GB/s: busy {et['busy_s']:.1f} s "
                          f"({100 * et['busy_share']:.0f}% of the run), peak backlog {et['peak_backlog_s']:.2f} s; "
                          f"{et['late_waits']:,} waits on this machine ({et['late_wait_s']:.1f} s wall)"))
+    for name, t in r.tiers.items():  # a composing manager's own counters (its leaves' are above)
+        if t.get("composite") and t["counters"]:
+            rows.append((f"  manager {name}", ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(t["counters"].items()))))
     rows += time_rows(r, s)
     if not r.oracle and s["tiers"]:
         rows.append(("  vs Belady", "add --oracle to see each tier's distance from the optimum"))
