@@ -127,3 +127,19 @@ def test_a_bandwidth_for_no_such_tier_is_one_line(tmp_path, capsys):
     out = capsys.readouterr()
     assert out.err == ("kvoffload replay: tier bandwidth given for 'ssd': no such tier below CPU "
                        "(the tiers: storage)\n")
+
+
+def test_with_trace_arrivals_the_tiers_work_through_the_idle_gaps(tmp_path):
+    """Requests far apart in time: the tiers work through the gaps, so the
+    engine waits on them only for the promotions its requests ask for."""
+    trace = generate_chat(seed=3, sessions=6, block_size=64)
+    for i, r in enumerate(trace.requests):
+        r.arrival_ms = 60_000.0 * i  # a minute apart: far more than any job takes
+    o = tiered(tmp_path, "a", arrival="trace")
+    r = replay(trace, o)
+    assert r.counters["sim_time_ms"] >= trace.requests[-1].arrival_ms
+    assert r.counters["tier_wait_s"] < 0.01 * r.counters["sim_time_ms"] / 1000
+    storage = r.tiers["storage"]
+    assert storage["counters"]["cascaded_blocks"] > 0 and storage["engine_time"]["busy_share"] < 0.01
+    assert storage["engine_time"]["peak_backlog_s"] < 60  # a job never waited for one from an earlier gap
+    assert not storage["counters"].get("dropped_stores")

@@ -308,6 +308,8 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder, EngineTime):
             else:
                 if not waiting and not self.running and arrivals:
                     now = max(now, arrivals[0].arrival_ms / opts.time_compression)
+                    if self.clock is not None:  # the tiers worked through the idle gap
+                        self.clock.now_s = max(self.clock.now_s, now / 1000.0)
                 while arrivals and arrivals[0].arrival_ms / opts.time_compression <= now:
                     waiting.append((arrivals.popleft(), 0))
             if opts.sync_tiers:

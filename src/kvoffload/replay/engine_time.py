@@ -71,7 +71,7 @@ class EngineTime:
         """After the last step: every tier job lands (the engine idles until they do)."""
         if self.clock is None:
             return
-        last = max((w._free_at for w in self._paced.values()), default=0.0)
+        last = max((w.free_at for w in self._paced.values()), default=0.0)
         self.clock.now_s = max(self.clock.now_s, last)
 
     def time_report(self) -> dict[str, dict[str, float]]:

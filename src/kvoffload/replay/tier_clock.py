@@ -53,7 +53,7 @@ class PacedWorker:
         self.bandwidth = bandwidth
         self.block_bytes = block_bytes
         self.latency_s = latency_s
-        self._free_at = 0.0  # simulated time the channel finishes its last job
+        self.free_at = 0.0  # simulated time the channel finishes its last job
         self._due: dict[int, float] = {}  # job -> simulated time it lands (submission order)
         self._ready: dict[int, object] = {}  # job -> its result, finished in wall time
         self.late_waits = 0  # due jobs the real worker had not finished: waited for
@@ -62,12 +62,12 @@ class PacedWorker:
         self.peak_backlog_s = 0.0  # the most work queued past the clock at a submission
 
     def _schedule(self, job_id: int, blocks: int) -> None:
-        start = max(self.clock.now_s, self._free_at)
+        start = max(self.clock.now_s, self.free_at)
         took = self.latency_s + blocks * self.block_bytes / self.bandwidth
-        self._free_at = start + took
+        self.free_at = start + took
         self.busy_s += took
-        self._due[job_id] = self._free_at
-        self.peak_backlog_s = max(self.peak_backlog_s, self._free_at - self.clock.now_s)
+        self._due[job_id] = self.free_at
+        self.peak_backlog_s = max(self.peak_backlog_s, self.free_at - self.clock.now_s)
 
     def submit_store(self, job_id, src, dst) -> bool:
         ok = self.inner.submit_store(job_id, src, dst)
@@ -87,7 +87,7 @@ class PacedWorker:
 
     def backlog_s(self) -> float:
         """Simulated seconds of work queued past the clock's time."""
-        return max(0.0, self._free_at - self.clock.now_s)
+        return max(0.0, self.free_at - self.clock.now_s)
 
     def _collect(self) -> None:
         for res in self.inner.get_finished():
