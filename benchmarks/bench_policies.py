@@ -32,7 +32,7 @@ from kvoffload.replay.oracle import simulate_belady
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = ROOT.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
-POLICIES = ("lru", "arc", "s3fifo", "sieve", "prefix")
+POLICIES = ("lru", "arc", "s3fifo", "sieve", "hubchain")
 FRACTIONS = (0.01, 0.02, 0.05, 0.10, 0.25, 0.50)
 MANAGER_REPEATS = 3
 

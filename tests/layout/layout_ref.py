@@ -23,12 +23,12 @@ from kvoffload.layout import (
     LayoutError,
     ParallelLayout,
     check_layer,
-    check_offloadable,
     heads_of_rank,
     layer_mapping,
     opaque_mapping,
     page_shape,
 )
+from kvoffload.layout.models import refuse_unsupported
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,8 @@ def canonical_kv_caches(layers: Sequence[tuple[torch.Tensor, LayerLayout]],
     the layer indices of each KV group, with each ref's mapping filled in.
     Layers sharing one tensor share its CanonicalKVCacheTensor. Refuses
     (UnsupportedModelError) models with state we cannot offload."""
-    check_offloadable([layer for _, layer in layers])
+    for _, layer in layers:
+        refuse_unsupported(layer.kind, f"layer {layer.name or '?'}")
     tensors: list[CanonicalKVCacheTensor] = []
     index_of: dict[tuple[int, tuple[int, ...]], int] = {}
     refs: list[CanonicalKVCacheRef] = []

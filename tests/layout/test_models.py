@@ -10,7 +10,7 @@ from kvoffload.layout import (
     LayerLayout,
     ParallelLayout,
     UnsupportedModelError,
-    check_offloadable,
+    check_layer,
     layer_mapping,
 )
 from kvoffload.tiers.cpu.spec import CPUOffloadingSpec
@@ -58,7 +58,8 @@ def test_state_we_cannot_offload_is_refused(kind):
     bad = LayerLayout(16, 1, 64, torch.bfloat16, kind=kind, name="model.layers.3.mixer")
     ok = LayerLayout(16, 8, 64, torch.bfloat16)
     with pytest.raises(UnsupportedModelError, match=r"model\.layers\.3\.mixer.*refused") as e:
-        check_offloadable([ok, bad])
+        for layer in (ok, bad):
+            check_layer(layer)
     assert isinstance(e.value, ConfigError)
     with pytest.raises(UnsupportedModelError):
         layer_mapping(bad, ParallelLayout(), 4096)  # never an opaque fallback either

@@ -1,4 +1,4 @@
-"""hubchain's hot loops (kvoffload/policies/hubchain_loops.py) and their C twin
+"""hubchain's hot loops (kvoffload/policies/hubchain/loops.py) and their C twin
 (_hubchain_loops.c): random operations on two copies of the same state, one
 through each; after every call both copies (every OrderedDict in its order,
 every counter, every float to the last bit) and both results are equal. And
@@ -15,10 +15,10 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from kvoffload.policies import hubchain_loops as loops
-from kvoffload.policies.hubchain import _BIN_BYTES, BINS
+from kvoffload.policies.hubchain import loops
+from kvoffload.policies.hubchain.learning import _BIN_BYTES, BINS
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
-from tests.policies.test_chain import keys, turn
+from tests.policies.turns import keys, turn
 
 native = loops.native
 needs_native = pytest.mark.skipif(native is None, reason="the C twin did not build (setup.py: no compiler)")

@@ -6,7 +6,9 @@ import pytest
 
 from kvoffload.abstractions import ReqContext
 from kvoffload.config import ConfigError
-from kvoffload.policies import ARCPolicy, EvictionPolicy, LRUPolicy, get_policy_class, policy_names, register_policy
+from kvoffload.policies import EvictionPolicy, get_policy_class, policy_names, register_policy
+from kvoffload.policies.arc import ARCPolicy
+from kvoffload.policies.lru import LRUPolicy
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 
 

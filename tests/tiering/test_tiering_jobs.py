@@ -23,7 +23,7 @@ def test_an_idle_engine_s_queries_apply_finished_jobs(rig):
 
 
 def test_a_cascade_reported_after_a_reset_completes_on_its_tier_only(rig):
-    r = rig()
+    r = rig(cpu_chunks=8)  # both keys in one cascade (at most a quarter of CPU in flight)
     r.mgr.attach_workers([LateReports(r.storage.get_worker(r.pool))])
     ctx = r.request()
     r.gpu_store([key(0), key(1)], ctx)  # cascades to storage: a job in flight

@@ -102,9 +102,9 @@ def test_spec_storage_shorthand(tmp_path):
 
 
 
-def test_admission_names_a_filter_of_policies_admission(tmp_path):
+def test_admission_names_a_filter_of_tiering_admission(tmp_path):
     from kvoffload.config import ConfigError
-    from kvoffload.policies.admission import StoreCountAdmission, TinyLFUAdmission
+    from kvoffload.tiering.admission import StoreCountAdmission, TinyLFUAdmission
 
     def admission(**conf):
         spec = _spec(tmp_path, **conf)

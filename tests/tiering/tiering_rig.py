@@ -32,13 +32,14 @@ class Rig:
     """CPU manager + host pool + storage tier, wired like the spec does."""
 
     def __init__(self, tmp_path, cpu_chunks=4, storage_slots=64, events=False, tier_cls=StorageTier, policy="lru",
-                 **tier_kw):
+                 worker_wrap=None, **tier_kw):
         self.pool = HostPool(cpu_chunks, CHUNK)
         self.cpu = CPUOffloadingManager(cpu_chunks, policy, enable_events=events)
         self.storage = tier_cls(str(tmp_path / "kv"), storage_slots * CHUNK, CHUNK, NS, enable_events=events)
         self.tier = Tier(self.storage, **tier_kw)
         self.mgr = TieringManager(self.cpu, [self.tier])
-        self.mgr.attach_workers([self.storage.get_worker(self.pool)])
+        worker = self.storage.get_worker(self.pool)
+        self.mgr.attach_workers([worker if worker_wrap is None else worker_wrap(worker)])
 
     def request(self, req_id="r", **params) -> ReqContext:
         ctx = ReqContext(req_id, kv_transfer_params=params or None)

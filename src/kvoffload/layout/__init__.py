@@ -30,14 +30,13 @@ from kvoffload.layout.models import (
     UNSUPPORTED_KINDS,
     UnsupportedModelError,
     check_config_offloadable,
-    check_offloadable,
 )
 from kvoffload.layout.windows import window_block_indices, window_chunks, window_gpu_spec
 
 __all__ = [
     "ATTENTION", "MLA", "UNSUPPORTED_KINDS", "LayerLayout", "LayoutError", "ParallelLayout",
     "UnsupportedModelError", "canonical_layout_id", "check_config_offloadable", "check_layer",
-    "check_offloadable", "check_shareable", "heads_of_rank", "is_agnostic", "layer_mapping",
+    "check_shareable", "heads_of_rank", "is_agnostic", "layer_mapping",
     "opaque_mapping", "page_shape", "parallel_layout_id", "try_layer_mapping", "verify_tiling",
     "window_block_indices", "window_chunks", "window_gpu_spec",
 ]

@@ -5,18 +5,12 @@ sparse-attention indexer caches are not restored by the KV blocks:
 serving them from offloaded blocks would give wrong results, so such a
 model is refused (UnsupportedModelError, a ConfigError) by KV group kind
 (check_config_offloadable, what the spec and the worker call) or by layer
-(check_offloadable).
+(canonical.check_layer, through refuse_unsupported here).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 from kvoffload.config import ConfigError, OffloadingConfig
-
-if TYPE_CHECKING:
-    from kvoffload.layout.canonical import LayerLayout
 
 ATTENTION = "attention"  # K and V per head
 MLA = "mla"  # one compressed latent per token, identical on every rank
@@ -26,7 +20,6 @@ UNSUPPORTED_KINDS = {
     "linear_attention": "linear-attention layers keep a recurrent state, not per-token KV blocks",
     "indexer": "sparse-attention indexer caches are not restored by the KV blocks",
 }
-
 
 
 class UnsupportedModelError(ConfigError):
@@ -39,12 +32,6 @@ def refuse_unsupported(kind: str, where: str) -> None:
         raise UnsupportedModelError(
             f"{where} has kind {kind!r}: {UNSUPPORTED_KINDS[kind]}; KV offloading "
             "would serve wrong state, so it is refused for this model")
-
-
-def check_offloadable(layers: Sequence[LayerLayout]) -> None:
-    """Refuse models whose state the KV blocks do not fully capture."""
-    for layer in layers:
-        refuse_unsupported(layer.kind, f"layer {layer.name or '?'}")
 
 
 def check_config_offloadable(config: OffloadingConfig) -> None:

@@ -1,16 +1,25 @@
-"""Eviction policies by name: "lru", "arc", or any "module:Class" path to an
-EvictionPolicy subclass."""
+"""Eviction policies by name: the registered ones below, or any "module:Class"
+path to an EvictionPolicy subclass. A policy's module is imported on first
+use (the registry holds "module:Class" strings)."""
 
 from __future__ import annotations
 
 from kvoffload.policies.base import EvictionPolicy
 from kvoffload.registry import Registry
 
-POLICIES = Registry(EvictionPolicy, "eviction policy", "policies")
+# The policies kvoffload ships. Every place that lists the policies
+# (README.md, docs/POLICIES.md, the examples, `kvoffload replay --help`,
+# spec docstrings) lists these names: tests/policies/test_policy_lists.py.
+BUILT_IN = {
+    "hubchain": "kvoffload.policies.hubchain.policy:HubChainPolicy",
+    "lru": "kvoffload.policies.lru:LRUPolicy",
+    "arc": "kvoffload.policies.arc:ARCPolicy",
+    "s3fifo": "kvoffload.policies.s3fifo:S3FIFOPolicy",
+    "sieve": "kvoffload.policies.sieve:SIEVEPolicy",
+}
+POLICIES = Registry(EvictionPolicy, "eviction policy", "policies", BUILT_IN)  # and those register_policy adds
 
-# The CPU tier's policy when the config names none (issue 17, version 16 of
-# hubchain: docs/BENCHMARKS.md, "hubchain made the default"). LRU until then.
-DEFAULT_POLICY = "hubchain"
+DEFAULT_POLICY = "hubchain"  # the CPU tier's policy when the config names none
 
 
 def register_policy(name: str, cls: type[EvictionPolicy]) -> None:
@@ -30,33 +39,4 @@ def get_policy_class(name: str) -> type[EvictionPolicy]:
     return POLICIES.get(name)
 
 
-from kvoffload.policies.arc import ARCPolicy  # noqa: E402
-from kvoffload.policies.lru import LRUPolicy  # noqa: E402
-
-register_policy("lru", LRUPolicy)
-register_policy("arc", ARCPolicy)
-
-from kvoffload.policies.chain import ChainPolicy  # noqa: E402
-from kvoffload.policies.prefix import PrefixAwarePolicy  # noqa: E402
-from kvoffload.policies.s3fifo import S3FIFOPolicy  # noqa: E402
-from kvoffload.policies.sieve import SIEVEPolicy  # noqa: E402
-
-register_policy("s3fifo", S3FIFOPolicy)
-register_policy("sieve", SIEVEPolicy)
-register_policy("prefix", PrefixAwarePolicy)
-register_policy("chain", ChainPolicy)
-
-from kvoffload.policies.segchain import SegChainPolicy  # noqa: E402
-
-register_policy("segchain", SegChainPolicy)
-
-from kvoffload.policies.duel import DuelPolicy  # noqa: E402
-
-register_policy("duel", DuelPolicy)
-
-from kvoffload.policies.hubchain import HubChainPolicy  # noqa: E402
-
-register_policy("hubchain", HubChainPolicy)
-
-__all__ = ["EvictionPolicy", "LRUPolicy", "ARCPolicy", "S3FIFOPolicy", "SIEVEPolicy", "PrefixAwarePolicy", "ChainPolicy", "SegChainPolicy", "DuelPolicy", "HubChainPolicy",
-           "register_policy", "get_policy_class", "policy_names", "DEFAULT_POLICY"]
+__all__ = ["BUILT_IN", "POLICIES", "DEFAULT_POLICY", "EvictionPolicy", "register_policy", "get_policy_class", "policy_names"]

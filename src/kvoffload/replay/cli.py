@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from kvoffload.config import ConfigError, memory_available
-from kvoffload.policies import DEFAULT_POLICY
+from kvoffload.policies import DEFAULT_POLICY, policy_names
 from kvoffload.redact import redact_text
 from kvoffload.replay.cli_checks import (  # noqa: F401 - parse_capacity: the benchmarks' too
     MAX_SESSIONS,
@@ -58,7 +58,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "unique blocks such as 5%% (default 10%% unless --cpu-bytes)")
     s.add_argument("--cpu-bytes", help="CPU tier size, e.g. 2GiB (cpu_bytes_to_use)")
     s.add_argument("--policy", default=DEFAULT_POLICY,
-                   help="eviction policy: hubchain (default), lru, arc, ... or module:Class; several, "
+                   help=f"eviction policy: {DEFAULT_POLICY} (default), "
+                        f"{', '.join(p for p in policy_names() if p != DEFAULT_POLICY)} or module:Class; several, "
                         "comma-separated (lru,arc,hubchain): each replayed at the same capacities, side by "
                         "side, the best named (which policy suits your trace)")
     s.add_argument("--storage-dir", help="storage tier directory (storage_dir; needs a spec with a "

@@ -80,12 +80,12 @@ def simulate_lru(requests: Sequence[Sequence[int]], capacity: int) -> OracleResu
             else:
                 for b in victims:
                     del cache[b]
-        # the store ranks what it names (new, or already held past the first
-        # miss) head first, then the reused prefix is touched again
+        # the store ranks what it writes (the missing blocks) head first; a
+        # block it names that is already held keeps the rank the request's
+        # touch gave it (a store is not a use); then the reused prefix is
+        # touched again
         for b in reversed(offered):
-            if b in cache:
-                cache.move_to_end(b)
-            else:
+            if b not in cache:
                 cache[b] = None
         for b in reversed(blocks[:n]):
             if b in cache:  # the store may have evicted a reused block

@@ -1,7 +1,9 @@
 """Tiering: a primary CPU tier composed with ordered secondary tiers.
 
   tier.py       secondary tier types by name; Tier, one tier as driven here
+  admission.py  which chunks are worth writing down to a slow tier
   jobs.py       our own jobs (cascades, promotions) and where they complete
+  cascade.py    CPU chunks written down, bounded, the rest waiting (back-pressure)
   promotion.py  secondary hits read back into CPU
   state.py      our view of one request
   manager.py    TieringManager

@@ -51,6 +51,10 @@ class JobTable:
         self._next_id += 1
         return job_id
 
+    def next_id_peek(self) -> int:
+        """The id the next job will get (it changes with every job submitted)."""
+        return self._next_id
+
     def add(self, job_id: int, tier: int, is_store: bool, keys: list[OffloadKey], ctx: ReqContext) -> None:
         self._jobs[job_id] = Job(tier, is_store, keys, ctx, self.epoch)
 

@@ -4,11 +4,16 @@
 Stores:  GPU -> CPU (the engine's jobs), then, once a chunk is readable in
          CPU, a cascade CPU -> each secondary tier (the CPU copy stays pinned
          until the tier's write lands). Slow tiers are protected by
-         - admission: a tier with an admission filter (policies/admission.py)
+         - admission: a tier with an admission filter (admission.py)
            is written only the chunks it admits, offered when stored in CPU
            and when reused, and
-         - back-pressure: while a tier has `max_queue_depth` chunks in
-           flight, further stores to it are dropped (counted), never waited on.
+         - back-pressure: cascades in flight are bounded (per tier and by a
+           quarter of CPU); what does not fit waits in a per-tier FIFO,
+           written down as jobs finish (cascade.py), never waited on.
+         An offer is stored whole, answered None (no room now: vLLM offers
+         it again), or stored in part with the rest counted:
+         store_blocks_declined (the CPU policy's choice, tiers/cpu/counters.py)
+         and store_blocks_cut (_store_head).
 Lookups: a CPU miss asks the secondary tiers (promotion.py).
 
 Completions of our own jobs (jobs.py) are applied in on_schedule_end() and
@@ -22,7 +27,6 @@ import logging
 from collections.abc import Collection, Iterable
 
 from kvoffload.abstractions import (
-    CPULoadStoreSpec,
     LookupResult,
     OffloadingEvent,
     OffloadingManager,
@@ -37,12 +41,13 @@ from kvoffload.abstractions import (
 from kvoffload.hints import COUNTER as BAD_HINTS
 from kvoffload.hints import request_hints
 from kvoffload.keys import check_keys
+from kvoffload.tiering.cascade import Cascades
 from kvoffload.tiering.jobs import Job, JobTable
 from kvoffload.tiering.promotion import Promotions
 from kvoffload.tiering.state import RequestState
 from kvoffload.tiering.tier import Tier
 from kvoffload.tiers.base import TierWorker
-from kvoffload.tiers.cpu.manager import BlockStateError, CPUOffloadingManager
+from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,7 @@ class TieringManager(OffloadingManager):
         self.jobs = JobTable()
         self._counters: dict[str, float] = {}
         self.promotions = Promotions(primary, tiers, self.jobs, self._state)
+        self.cascades = Cascades(primary, tiers, self.jobs, self._state, self._done)
         self.replace_tiers(tiers)
 
     def replace_tiers(self, tiers: list[Tier]) -> None:
@@ -67,6 +73,7 @@ class TieringManager(OffloadingManager):
         its tiers once the KV caches' layout is known)."""
         self.tiers = tiers
         self.promotions.tiers = tiers
+        self.cascades.tiers = tiers
         self._admitting = [(i, t) for i, t in enumerate(tiers) if t.admission is not None]
 
     def attach_workers(self, workers: list[TierWorker]) -> None:
@@ -220,19 +227,25 @@ class TieringManager(OffloadingManager):
         return out
 
     def _store_head(self, keys: Collection[OffloadKey], ctx: ReqContext) -> PrepareStoreOutput | None:
-        """An offer larger than CPU can take now: its head, as far as there is
-        room. vLLM's connector moves past every key of an answered offer, so
-        the rest is never stored for this request; but refused whole, the
-        offer comes back next step with that step's blocks added, larger, and
-        a long prompt is refused to its end, reaching no tier. Here the head
-        reaches CPU and, through it, the tiers below."""
+        """An offer larger than CPU can take now: the head of its new keys,
+        as far as there is room (its held keys ride along: kept, not
+        evicted). vLLM's connector moves past every key of an answered
+        offer, so the rest is never stored for this request (counted
+        store_blocks_cut); but refused whole, the offer comes back next step
+        with that step's blocks added, larger, and a long prompt is refused
+        to its end, reaching no tier. Here the head reaches CPU and, through
+        it, the tiers below. No room at all: None (offered again)."""
+        primary = self.primary
         keys = list(keys)
-        room = self.primary.room()
-        if not 0 < room < len(keys):
+        new = [k for k in dict.fromkeys(keys) if k not in primary]
+        room = primary.room(keys)
+        if not 0 < room < len(new):
             return None
-        out = self.primary.prepare_store(keys[:room], ctx)
+        cut = set(new[room:])
+        out = primary.prepare_store([k for k in keys if k not in cut], ctx)
         if out is not None:
             self._count("partial_stores")
+            self._count("store_blocks_cut", len(cut))
         return out
 
     def complete_store(self, keys: Collection[OffloadKey], req_context: ReqContext,
@@ -249,67 +262,20 @@ class TieringManager(OffloadingManager):
         if st is not None and st.finished:
             self._maybe_finish(req_context, st)
 
-    def _pin_readable(self, keys: Collection[OffloadKey]) -> list[OffloadKey]:
-        """Pin (prepare_load) the keys readable in CPU for a copy down; returns
-        them. No request context: a copy down is not a load by the request
-        (its policy must not see a use, and `release` counts no load)."""
-        slot_of = self.primary.slot_of
-        cand = [k for k in dict.fromkeys(keys) if slot_of(k) is not None]
-        if not cand:
-            return cand
-        try:  # one call in the common case; the CPU tier has no "readable" query
-            self.primary.prepare_load(cand, None)
-            return cand
-        except BlockStateError:  # some still being written (nothing pinned): pin the others one by one
-            pinned = []
-            for k in cand:
-                try:
-                    self.primary.prepare_load([k], None)
-                    pinned.append(k)
-                except BlockStateError:
-                    pass
-            return pinned
-
     def _cascade(self, i: int, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
-        """Write CPU-resident keys down to tier i (unless it is behind)."""
-        t = self.tiers[i]
-        if t.worker is None or not keys or self._done(ctx):
-            return  # (a finished request's children must get no more submits)
-        if t.in_flight + len(keys) > t.max_queue_depth:
-            t.count("dropped_stores", len(keys))  # the tier is behind: shed, don't stall
-            return
-        pinned = self._pin_readable(keys)
-        if not pinned:
-            return
-        out = t.manager.prepare_store(pinned, ctx)
-        to_store = out.keys_to_store if out is not None else []
-        if out is None:
-            t.count("dropped_stores", len(pinned))
-        if len(to_store) < len(pinned):
-            keep = set(to_store)
-            self.primary.release([k for k in pinned if k not in keep])
-        if not to_store:
-            return
-        slot_of = self.primary.slot_of
-        src = CPULoadStoreSpec([slot_of(k) for k in to_store])
-        job = self.jobs.new_id()
-        if not t.worker.submit_store(job, src, out.store_spec):
-            t.manager.complete_store(to_store, ctx, success=False)
-            self.primary.release(to_store)
-            t.count("dropped_stores", len(to_store))
-            return
-        self.jobs.add(job, i, True, to_store, ctx)
-        t.in_flight += len(to_store)
-        t.count("cascaded_blocks", len(to_store))
-        self._state(ctx).jobs += 1
+        """Write CPU-resident keys down to tier i (cascade.py)."""
+        self.cascades.write_down(i, keys, ctx)
 
     # ---- job completions ----------------------------------------------------
 
     def poll(self) -> None:
         """Apply the secondary workers' finished jobs (jobs.py)."""
         self.jobs.apply_finished(self.primary, self.tiers, self._job_done)
+        self.cascades.drain()
 
     def _job_done(self, job: Job, success: bool) -> None:
+        if job.ctx is None:  # a deferred cascade: the CPU tier's write-back, no request's
+            return
         st = self._requests.get(job.ctx.req_id)
         if not job.is_store:
             self.promotions.holding -= len(job.keys)  # in flight no more
@@ -342,15 +308,29 @@ class TieringManager(OffloadingManager):
 
     def has_pending_work(self) -> bool:
         self._apply_finished_on_query()
-        return bool(self.jobs or self.promotions) or self.primary.has_pending_work() or any(
+        return bool(self.jobs or self.promotions) or self.cascades.waiting() or self.primary.has_pending_work() or any(
             t.manager.has_pending_work() for t in self.tiers)
 
     def wait_idle(self) -> None:
-        """Block until every secondary job has finished, then apply them."""
-        for i, t in enumerate(self.tiers):
-            if t.worker is not None:
-                t.worker.wait(self.jobs.ids_of_tier(i))
-        self.poll()
+        """Block until every secondary job has finished, then apply them
+        (what a worker reports late stays in flight); while keys wait to be
+        written down, again (each round writes some down). Two rounds in a
+        row that change nothing (a worker holding its reports) end it: what
+        waits is written down at a later poll."""
+        stuck, last = 0, None
+        while True:
+            waiting = self.cascades.waiting()
+            for i, t in enumerate(self.tiers):
+                if t.worker is not None:
+                    t.worker.wait(self.jobs.ids_of_tier(i))
+            self.poll()
+            if not waiting:  # (then this poll submitted nothing new)
+                return
+            now = (sum(len(t.waiting) for t in self.tiers), self.jobs.next_id_peek())
+            stuck = stuck + 1 if now == last else 0
+            if stuck >= 2:
+                return
+            last = now
 
     # ---- events, stats, lifecycle -------------------------------------------
 
@@ -372,6 +352,7 @@ class TieringManager(OffloadingManager):
                 s.counters[k] = s.counters.get(k, 0) + v
             t.counters = {}
             s.gauges["queue_depth"] = t.in_flight
+            s.gauges["cascade_waiting"] = len(t.waiting)
             children.append(s)
         counters, self._counters = self._counters, {}
         return OffloadingStats(tier=self.name, counters=counters, children=children)
@@ -391,6 +372,7 @@ class TieringManager(OffloadingManager):
         self.wait_idle()
         self.jobs.new_epoch()
         self.promotions.clear()
+        self.cascades.clear()
         for st in self._requests.values():  # ours, read by no engine job: not to be fenced
             if st.held:
                 self._unhold(st, list(st.held))

@@ -119,10 +119,10 @@ class Promotions:
             keys = keys[:room]
             # the request's CPU hits ride along: already stored, so protected from eviction
             resident = [k for k in st.cpu_hits if slot_of(k) is not None]
-            out = primary.prepare_store(resident + keys, ctx)
+            out = primary.prepare_store(resident + keys, ctx, offered=False)
             if out is None and len(keys) > 1:  # no room for the look-ahead: the first chunk alone
                 keys = keys[:1]
-                out = primary.prepare_store(resident + keys, ctx)
+                out = primary.prepare_store(resident + keys, ctx, offered=False)
             if out is None:  # no CPU slot can be freed
                 self._failed(t, st, keys)
                 continue

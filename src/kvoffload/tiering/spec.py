@@ -4,7 +4,7 @@ extra_config (besides the CPU spec's keys, kvoffload.tiers.cpu.spec):
   secondary_tiers: [{"type": "storage", "path": "/nvme/kv", "capacity_bytes": "64GiB",
                      "eviction_policy": "lru", "admission": "tinylfu", "store_threshold": 2,
                      "max_queue_depth": 256}, ...]
-    admission        a filter of policies/admission.py ("store_count", "tinylfu"
+    admission        a filter of tiering/admission.py ("store_count", "tinylfu"
                      or "module:Class") deciding which chunks are written to
                      the tier; store_threshold is its threshold. Without it,
                      store_threshold > 1 means "store_count"; by default
@@ -40,7 +40,7 @@ from typing import Any
 from kvoffload.abstractions import CanonicalKVCaches, OffloadingSpec, OffloadingWorker
 from kvoffload.config import ConfigError, OffloadingConfig, check_known_keys, positive_int
 from kvoffload.layout import parallel_layout_id
-from kvoffload.policies.admission import make_admission
+from kvoffload.tiering.admission import make_admission
 from kvoffload.redact import redact
 from kvoffload.tiering.manager import TieringManager
 from kvoffload.tiering.tier import (

@@ -4,10 +4,11 @@ back-pressure limit) as the tiering manager drives it."""
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from kvoffload.abstractions import OffloadingManager
-from kvoffload.policies.admission import AdmissionFilter, StoreCountAdmission
+from kvoffload.tiering.admission import AdmissionFilter, StoreCountAdmission
 from kvoffload.registry import Registry
 from kvoffload.tiers.base import Namespace, SecondaryTier, TierWorker
 
@@ -24,7 +25,7 @@ get_tier_class = TIER_TYPES.get
 # keys of a secondary_tiers entry that the tiering manager reads itself
 TIER_KEYS = ("type", "name", "store_threshold", "max_queue_depth", "admission")
 DEFAULT_STORE_THRESHOLD = 1  # every chunk stored in CPU is written down
-DEFAULT_MAX_QUEUE_DEPTH = 256  # chunks in flight per tier
+DEFAULT_MAX_QUEUE_DEPTH = 256  # chunks in flight per tier (all tiers together: a quarter of CPU, cascade.py)
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,8 @@ class Tier:
     admission: AdmissionFilter | None = None
     worker: TierWorker | None = None  # attached once the host pool exists
     in_flight: int = 0  # chunks of store jobs not finished yet
+    # keys waiting to be written down, oldest first (cascade.py: back-pressure defers, never drops)
+    waiting: OrderedDict = field(default_factory=OrderedDict)
     counters: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self):

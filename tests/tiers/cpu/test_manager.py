@@ -562,7 +562,7 @@ def test_a_store_landing_after_the_request_finished_keeps_nothing_of_the_request
     assert m.prepare_store(keys(5, 6, 7, 8, 9, 10, 11), None).evicted_keys == keys(2, 1, 4)
 
 
-@pytest.mark.parametrize("policy", ["lru", "arc", "chain", "segchain", "hubchain"])
+@pytest.mark.parametrize("policy", ["lru", "arc", "hubchain"])
 def test_a_pool_fenced_by_a_reset_is_no_room_and_the_same_store_offered_again_lands(policy):
     """A reset while every slot is being written: the slots stay fenced until
     on_reset_flushed. A store meanwhile is None for every policy (vLLM offers

@@ -7,7 +7,7 @@ from kvoffload.abstractions import ReqContext
 from kvoffload.keys import make_offload_key
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 
-HONOURING = ["lru", "prefix", "chain", "segchain", "hubchain"]  # policies that implement insert_cold (hubchain: the default)
+HONOURING = ["lru", "hubchain"]  # policies that implement insert_cold (hubchain: the default)
 
 
 def K(i: int) -> bytes:

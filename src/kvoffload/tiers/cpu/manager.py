@@ -9,6 +9,13 @@ list, set for a whole call by numpy):
 plus a dict key -> slot and a free list of slots. No per-block objects.
 A key enters the eviction policy when its store completes, so the policy
 only ever sees readable keys; pending writes can never be picked.
+Pins key by key (the slow path, pins past MAX_PINS): pins.py; counters:
+counters.py.
+
+An offer (prepare_store) is answered None when none of its new keys can
+have a slot now (none free, none evictable: vLLM offers it again), else
+with every new key, or a head of them that the policy's admission chose
+(the rest counted store_blocks_declined: vLLM never offers them again).
 
 Recency is per request (tiers/cpu/request_record.py): what a request
 loaded and stored is ranked once, when it finishes. touch() still works for
@@ -31,7 +38,6 @@ from kvoffload.abstractions import (
     Medium,
     OffloadingEvent,
     OffloadingManager,
-    OffloadingStats,
     OffloadKey,
     PrepareStoreOutput,
     ReqContext,
@@ -39,27 +45,21 @@ from kvoffload.abstractions import (
 )
 from kvoffload.config import ConfigError
 from kvoffload.geometry import ResolvedGeometry
-from kvoffload.hints import COUNTER as BAD_HINTS
 from kvoffload.keys import check_key, check_keys
 from kvoffload.policies import DEFAULT_POLICY, get_policy_class
 from kvoffload.policies.base import access_of, admission_of
 from kvoffload.requests import low_retention, prefix_order
+from kvoffload.tiers.cpu.counters import CPUCounters
+from kvoffload.tiers.cpu.errors import BlockStateError
+from kvoffload.tiers.cpu.pins import SlotPins
 from kvoffload.tiers.cpu.request_record import finish_request, rank_of, record_of, sort_by
 from kvoffload.tiers.cpu.reset_fence import drop_all_keys
-from kvoffload.tiers.cpu.slot_state import MAX_PINS, PENDING, VECTOR_MIN, pin_all, unpin_all
+from kvoffload.tiers.cpu.slot_state import PENDING, VECTOR_MIN, pin_all, unpin_all
 
 _HIT, _MISS, _PENDING = LookupResult.HIT, LookupResult.MISS, LookupResult.HIT_PENDING
 
 
-class BlockStateError(KeyError):
-    """A key is not in the state a call needs (not stored, not ready, not
-    pinned, no store in flight). Nothing was changed."""
-
-    def __str__(self) -> str:  # KeyError would repr() the message
-        return str(self.args[0]) if self.args else ""
-
-
-class CPUOffloadingManager(OffloadingManager):
+class CPUOffloadingManager(SlotPins, CPUCounters, OffloadingManager):
     def __init__(
         self,
         num_chunks: int,
@@ -94,12 +94,6 @@ class CPUOffloadingManager(OffloadingManager):
         self._can_evict = self._make_can_evict()
         self._events: list[OffloadingEvent] | None = [] if enable_events else None
         self._zero_counters()
-
-    def _zero_counters(self) -> None:
-        self._misses = self._hits = self._hits_pending = 0
-        self._stored = self._loaded = self._evictions = 0
-        self._allocation_failures = self._dropped = 0
-        self._bad_hints = 0
 
     # ---- the spec a worker reads --------------------------------------------
 
@@ -182,46 +176,6 @@ class CPUOffloadingManager(OffloadingManager):
                 self._access(keys if type(keys) is list else prefix_order(list(keys), req_context), req_context)
         return self._make_spec(slots)
 
-    def _pin_each(self, keys: Collection[OffloadKey], slots: list[int]) -> int:
-        """prepare_load's pins key by key; how many slots were unpinned before."""
-        state, more = self._state, self._more_pins
-        newly_pinned = 0
-        for s in slots:  # (no enumerate: the error path finds its place)
-            v = state[s]
-            if not v:
-                newly_pinned += 1
-            elif v >= MAX_PINS:
-                if v == PENDING:
-                    # the loop stops at a pending slot's first listing (nothing here makes one pending)
-                    self._unpin_each(slots[:slots.index(s)][::-1])  # undo: nothing changes on error
-                    key = next(k for k in keys if self._slot_of[k] == s)
-                    raise BlockStateError(f"{self.name}: prepare_load of key {key!r} that is still being written")
-                more[s] = more.get(s, 0) + 1
-                continue
-            state[s] = v + 1
-        return newly_pinned
-
-    def _unpin_each(self, slots: list[int]) -> None:
-        """Drop one pin of each slot (all pinned): the undo of _pin_each, in reverse."""
-        state, more = self._state, self._more_pins
-        for s in slots:
-            if state[s] == MAX_PINS and s in more:
-                more[s] -= 1
-                if not more[s]:
-                    del more[s]
-            else:
-                state[s] -= 1
-
-    def _repin(self, slots: list[int]) -> None:
-        """Put back one pin of each slot: the undo of _complete_each (a pin
-        at MAX_PINS goes beside, as _pin_each puts it)."""
-        state, more = self._state, self._more_pins
-        for s in slots:
-            if state[s] >= MAX_PINS:
-                more[s] = more.get(s, 0) + 1
-            else:
-                state[s] += 1
-
     def touch(self, keys: Collection[OffloadKey], req_context: ReqContext | None = None) -> None:
         keys = keys if type(keys) is list else list(keys)
         if keys and set(map(type, keys)) != {bytes}:
@@ -258,29 +212,6 @@ class CPUOffloadingManager(OffloadingManager):
         self._num_pinned -= unpinned
         return len(slots)
 
-    def _complete_each(self, keys: Collection[OffloadKey], slots: list[int], op: str) -> int:
-        """_unpin's unpins key by key; how many slots became unpinned."""
-        state, more = self._state, self._more_pins
-        unpinned = 0
-        for i, s in enumerate(slots):
-            v = state[s]
-            if v == 1:
-                unpinned += 1
-            elif not v or v == PENDING:  # not pinned, or listed more often than pinned
-                self._repin(slots[:i])  # undo: nothing changes on error
-                key = next(k for k in keys if self._slot_of[k] == s)
-                raise BlockStateError(
-                    f"{self.name}: {op} of key {key!r} that has no load in flight "
-                    f"(or is listed more often than it was loaded)"
-                )
-            elif v == MAX_PINS and s in more:
-                more[s] -= 1
-                if not more[s]:
-                    del more[s]
-                continue
-            state[s] = v - 1
-        return unpinned
-
     # ---- stores -------------------------------------------------------------
 
     def _make_can_evict(self):
@@ -300,8 +231,11 @@ class CPUOffloadingManager(OffloadingManager):
         return can_evict
 
     def prepare_store(
-        self, keys: Collection[OffloadKey], req_context: ReqContext | None = None
+        self, keys: Collection[OffloadKey], req_context: ReqContext | None = None, *, offered: bool = True
     ) -> PrepareStoreOutput | None:
+        """offered=False: not an engine's offer (a promotion): keys the policy
+        declines are not counted store_blocks_declined (the caller answers
+        them a miss)."""
         slot_of = self._slot_of
         try:
             new = [k for k in keys if k not in slot_of]
@@ -316,14 +250,15 @@ class CPUOffloadingManager(OffloadingManager):
         admit = self._admit
         evicted: list[bytes] = []
         need = len(new) - len(free)
-        if need > 0 and self._fenced and len(slot_of) == self._num_pinned + self._num_pending:
-            # A reset's flush is pending and nothing else could be evicted: no
-            # room until on_reset_flushed, whatever the policy. Its admission is
-            # not asked: a prefix policy would cut the request's store for good,
-            # and vLLM, given an empty answer rather than None, moves past those
-            # blocks and never offers them again. (Without a reset such a cut
-            # stands: the request's own blocks in flight fill the cache, and
-            # storing its tail later would evict other requests' heads.)
+        declined = 0
+        if need > 0 and (not free or self._fenced) and not self._evictable_besides(keys, new):
+            # No slot free (or a reset's flush pending) and none evictable:
+            # every slot is written, pinned (loads, cascades to a slow tier)
+            # or this offer's own. No room now, whatever the policy: None, and
+            # vLLM offers these blocks again next step. The policy's admission
+            # is not asked: a prefix policy would cut the request's store for
+            # good, and vLLM, given an empty answer rather than None, moves
+            # past those blocks and never offers them again.
             self._allocation_failures += 1
             return None
         if need > 0 or (admit is not None and new):
@@ -334,6 +269,7 @@ class CPUOffloadingManager(OffloadingManager):
                     # the policy may store only a head of them (a prefix's next blocks)
                     n = admit(new, len(free), req_context, self._can_evict)
                     if n < len(new):
+                        declined = len(new) - n
                         new = new[:n]
                         need = n - len(free)
                 victims = self.policy.evict(need, self._can_evict) if need > 0 else []
@@ -342,6 +278,8 @@ class CPUOffloadingManager(OffloadingManager):
             if victims is None:
                 self._allocation_failures += 1
                 return None
+            if offered:
+                self._declined += declined  # never offered again: the policy's choice, counted
         if need > 0:
             evicted = victims
             free.extend(map(slot_of.pop, victims))  # their state is 0 already: can_evict said so
@@ -362,6 +300,16 @@ class CPUOffloadingManager(OffloadingManager):
             if rec is not None:
                 rec.note_prepared(new)
         return PrepareStoreOutput(keys_to_store=new, store_spec=self._make_spec(slots), evicted_keys=evicted)
+
+    def _evictable_besides(self, keys: Collection[OffloadKey], new: list[OffloadKey]) -> int:
+        """How many held keys a store of `keys` could evict: readable and
+        unpinned, the offer's own held keys (which it keeps) excepted."""
+        n = len(self._slot_of) - self._num_pinned - self._num_pending
+        if n > 0 and len(new) < len(keys):
+            slot_of, state = self._slot_of, self._state
+            own = {k for k in keys if k in slot_of}
+            n -= sum(1 for k in own if not state[slot_of[k]])
+        return n
 
     def complete_store(
         self, keys: Collection[OffloadKey], req_context: ReqContext | None = None, success: bool = True
@@ -471,36 +419,6 @@ class CPUOffloadingManager(OffloadingManager):
 
     release_fenced_slots = on_reset_flushed  # (see TieringManager.release_fenced_slots)
 
-    def get_stats(self) -> OffloadingStats:
-        used = self.num_chunks - len(self._free)
-        bpc = self.chunk_bytes
-        counters = {
-            "lookups": self._hits + self._hits_pending + self._misses,
-            "hits": self._hits,
-            "misses": self._misses,
-            "hits_pending": self._hits_pending,
-            "stored_blocks": self._stored,
-            "stored_bytes": self._stored * bpc,
-            "loaded_blocks": self._loaded,
-            "loaded_bytes": self._loaded * bpc,
-            "evictions": self._evictions,
-            "allocation_failures": self._allocation_failures,
-            "dropped_stores": self._dropped,
-            BAD_HINTS: self._bad_hints,
-        }
-        gauges = {
-            "used_blocks": used,
-            "capacity_blocks": self.num_chunks,
-            "pinned_blocks": self._num_pinned,
-            "pending_blocks": self._num_pending,
-            "usage": used / self.num_chunks,
-            "queue_depth": self._num_pending,
-            "fenced_blocks": len(self._fenced),
-        }
-        self._zero_counters()
-        return OffloadingStats(tier=self.name, medium=self.medium, locality=self.locality,
-                               counters=counters, gauges=gauges)
-
     # ---- introspection (tests, tiers built on this one) ---------------------
 
     @property
@@ -515,10 +433,12 @@ class CPUOffloadingManager(OffloadingManager):
     def __contains__(self, key: object) -> bool:
         return key in self._slot_of
 
-    def room(self) -> int:
-        """Slots a store could have now: free ones and those of readable,
-        unpinned keys (if the policy lets them go)."""
-        return len(self._free) + len(self._slot_of) - self._num_pinned - self._num_pending
+    def room(self, keys: Collection[OffloadKey] = ()) -> int:
+        """Slots a store of `keys` could have now: free ones and those of
+        readable, unpinned keys (if the policy lets them go), less those of
+        the keys it holds already (a store keeps its own)."""
+        keys = keys if type(keys) is list else list(keys)
+        return len(self._free) + self._evictable_besides(keys, [k for k in keys if k not in self._slot_of])
 
     def slot_of(self, key: OffloadKey) -> int | None:
         return self._slot_of.get(key)

@@ -6,7 +6,7 @@ extra_config keys:
   num_cpu_chunks       the number of chunk slots directly (instead of bytes)
   kv_bytes_per_chunk   bytes of one offloaded chunk (all layers of the
   kv_bytes_per_token   largest KV group), or per token of it
-  eviction_policy      "hubchain" (default), "lru", "arc" or "module:Class"
+  eviction_policy      "hubchain" (default), "lru", "arc", "s3fifo", "sieve" or "module:Class"
   block_size           tokens per offloaded chunk (instead of blocks_per_chunk)
   offload_prompt_only, self_describing_kv_events   see OffloadingSpec
   shared_pool_path     a file (e.g. on /dev/shm) holding one host pool for all
