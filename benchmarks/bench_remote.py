@@ -58,7 +58,7 @@ from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.remote import RemoteTier
 from kvoffload.tiers.remote.server import LocalServer, find_benchmark_binary
-from kvoffload.replay.traces import shared_trace_path
+from shared_traces import shared_trace_path
 from mooncake_bandwidth import mooncake_bandwidth, print_mooncake
 from mooncake_bandwidth import ours as time_jobs  # one worker, jobs submitted at once
 

@@ -10,6 +10,15 @@ LRU simulator over the same trace (pure dict bookkeeping, no copies):
 
     .venv/bin/python benchmarks/bench_replay.py
     .venv/bin/python benchmarks/bench_replay.py --capacities 1% --policies lru --kv-bytes-per-token 256
+
+With --storage SHARE (e.g. 25%): CPU tier plus a storage tier of that share
+of the unique blocks, in engine time (the `kvoffload replay` default for
+tiered runs: vLLM's order, 8192 tokens a step, llama-8b-h100 rates, storage
+at 2 GB/s), against the reference of issue 40: the offline LRU of one cache
+as large as both tiers together (ratio), and the CPU tier alone at the same
+engine settings (gain from storage).
+
+    .venv/bin/python benchmarks/bench_replay.py --capacities 1%,5% --policies hubchain,lru --storage 25%
 """
 
 from __future__ import annotations
@@ -23,7 +32,8 @@ from kvoffload.replay.cli import parse_capacity
 from kvoffload.replay.engine import EngineOptions, replay
 from kvoffload.replay.oracle import simulate
 from kvoffload.replay.report import summary
-from kvoffload.replay.traces import load_trace, shared_trace_path
+from kvoffload.replay.traces import load_trace
+from shared_traces import shared_trace_path
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TRACE = shared_trace_path()
@@ -37,9 +47,12 @@ def main() -> None:
     ap.add_argument("--kv-bytes-per-token", type=int, default=16)
     ap.add_argument("--json", help="write all figures here")
     ap.add_argument("--plot", help="write a PNG of hit rate vs capacity (each policy, LRU sim, Belady) here")
+    ap.add_argument("--storage", metavar="SHARE", help="add a storage tier of this share of the unique blocks")
     args = ap.parse_args()
 
     trace = load_trace(args.trace)
+    if args.storage:
+        return tiered(trace, args)
     blocks = [r.block_hashes for r in trace.requests]
     unique = trace.num_unique_blocks()
     print(f"{trace.name}: {len(trace.requests):,} requests, {trace.num_block_refs:,} block refs, "
@@ -75,6 +88,45 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(out, indent=2, default=str) + "\n")
     if args.plot:
         plot(out, args.plot, trace.name)
+
+
+def tiered(trace, args) -> None:
+    """CPU + storage in engine time against one LRU cache of the same total size."""
+    import tempfile
+
+    blocks = [r.block_hashes for r in trace.requests]
+    unique = trace.num_unique_blocks()
+    slots = parse_capacity(args.storage, unique, "--storage")
+    page = args.kv_bytes_per_token * trace.block_size
+    print(f"{trace.name}: {unique:,} unique blocks; storage {args.storage} = {slots:,} blocks; engine time")
+    rows, out = [], []
+    for cap_s in args.capacities.split(","):
+        cap = parse_capacity(cap_s, unique)
+        oracle = simulate(blocks, cap + slots, "lru").hit_rate
+        for policy in args.policies.split(","):
+            common = dict(kv_bytes_per_token=args.kv_bytes_per_token, time_model="engine", max_batched_tokens=8192,
+                          progress=False)
+            with tempfile.TemporaryDirectory() as d:
+                extra = {"num_cpu_chunks": cap, "eviction_policy": policy, "storage_dir": d,
+                         "storage_bytes": slots * (-(-page // 4096) * 4096)}
+                s = summary(replay(trace, EngineOptions(spec="tiered", extra_config=extra, **common)))
+            alone = summary(replay(trace, EngineOptions(extra_config={"num_cpu_chunks": cap,
+                                                                      "eviction_policy": policy}, **common)))
+            hr, cpu = s["offload_prefix_hit_rate"], alone["offload_prefix_hit_rate"]
+            st = s["tiers"]["storage"]["counters"]
+            rows.append(f"| {cap_s} | {args.storage} | {policy} | {hr:.4f} | {oracle:.4f} | {hr / oracle:.3f} | "
+                        f"{cpu:.4f} | {hr - cpu:+.4f} | {int(st.get('cascaded_blocks', 0)):,} | "
+                        f"{int(st.get('promoted_blocks', 0)):,} | {s['tier_wait_s']:,.0f} | {s['wall_s']:.0f} |")
+            out.append({"capacity": cap_s, "storage": args.storage, "policy": policy, "summary": s,
+                        "oracle_lru_all_tiers": oracle, "cpu_alone": cpu})
+            print(rows[-1], flush=True)
+    print()
+    print("| CPU | storage | policy | hit rate | LRU, same total | ratio | CPU alone | gain | cascaded | promoted "
+          "| engine waits s (simulated) | wall s |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("\n".join(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=2, default=str) + "\n")
 
 
 def plot(points: list[dict], path: str, title: str) -> None:

@@ -44,7 +44,8 @@ import numpy as np
 from tqdm import tqdm
 
 from kvoffload.replay.oracle import leading_run, simulate_belady, simulate_lru
-from kvoffload.replay.traces import load_trace, shared_trace_path
+from kvoffload.replay.traces import load_trace
+from shared_traces import shared_trace_path
 
 NEVER = 1 << 62
 AGE_STEP = 5.0  # seconds per age bin of the density table

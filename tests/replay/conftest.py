@@ -1,11 +1,23 @@
+import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-from kvoffload.replay.traces import shared_trace_path
 
+def _shared_traces():
+    """benchmarks/shared_traces.py: the one place that knows where this
+    repository's shared traces live (they are not part of the package)."""
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "shared_traces.py"
+    spec = importlib.util.spec_from_file_location("kvoffload_shared_traces", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+shared_trace_path = _shared_traces().shared_trace_path
 MOONCAKE = shared_trace_path()
+AGENTIC = shared_trace_path("agentic")
 
 
 @pytest.fixture
@@ -13,6 +25,13 @@ def mooncake_path() -> Path:
     if not MOONCAKE.exists():
         pytest.skip(f"shared trace not found at {MOONCAKE}")
     return MOONCAKE
+
+
+@pytest.fixture
+def agentic_dir() -> Path:
+    if not AGENTIC.is_dir():
+        pytest.skip(f"shared agentic traces not found at {AGENTIC}")
+    return AGENTIC
 
 
 @pytest.fixture

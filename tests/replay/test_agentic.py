@@ -9,17 +9,7 @@ import pytest
 
 from kvoffload.cli import main
 from kvoffload.replay.agentic import DEFAULT_STAGGER_S
-from kvoffload.replay.traces import TraceError, load_trace, shared_trace_path
-
-AGENTIC = shared_trace_path("agentic")
-
-
-@pytest.fixture
-def agentic_dir():
-    if not AGENTIC.is_dir():
-        pytest.skip(f"shared agentic traces not found at {AGENTIC}")
-    return AGENTIC
-
+from kvoffload.replay.traces import TraceError, load_trace
 
 def conversation(requests, scope="local", block_size=4, **top):
     return {"id": "c", "block_size": block_size, "hash_id_scope": scope, "requests": requests, **top}

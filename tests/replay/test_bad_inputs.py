@@ -12,6 +12,7 @@ import pytest
 
 from kvoffload.cli import main
 from kvoffload.config import memory_available
+from kvoffload.replay.models import MODEL_PRESETS
 
 GOOD = {"timestamp": 0, "input_length": 8, "output_length": 3, "hash_ids": [1, 2]}
 
@@ -122,8 +123,21 @@ def test_trace_that_is_a_directory(tmp_path, capsys):
     # alternatives given together: one was silently ignored
     (["--cpu-bytes", "1MiB", "--cpu-blocks", "5"], "--cpu-bytes and --cpu-blocks are alternatives; give one"),
     (["--cpu-bytes", "1MiB", "--sweep", "5,6"], "--cpu-bytes and --sweep are alternatives; give one"),
-    (["--model", "llama-3.1-8b", "--kv-bytes-per-token", "16"],
-     "--model and --kv-bytes-per-token are alternatives; give one"),
+    (["--storage-bytes", "1MiB", "--storage-blocks", "5"], "--storage-bytes and --storage-blocks are alternatives; give one"),
+    (["--sync-tiers", "--time-model", "engine"], "--sync-tiers and --time-model engine are alternatives; give one"),
+    # the engine-time options
+    (["--time-model", "slow"], "argument --time-model: invalid choice: 'slow' (choose from 'auto', 'engine', 'fast')"),
+    (["--model", "gpt-5"], "argument --model: invalid choice: 'gpt-5' (choose from "
+     + ", ".join(f"'{m}'" for m in sorted(MODEL_PRESETS)) + ")"),
+    (["--decode-tokens-per-s", "0"], "--decode-tokens-per-s must be a finite number > 0, got 0.0"),
+    (["--decode-tokens-per-s", "nan"], "--decode-tokens-per-s must be a finite number > 0, got nan"),
+    (["--prefill-tokens-per-s", "-5"], "--prefill-tokens-per-s must be a finite number > 0, got -5.0"),
+    (["--tier-bandwidth", "storage"], "--tier-bandwidth 'storage': expected NAME=RATE, e.g. storage=2GB/s"),
+    (["--tier-bandwidth", "storage=fast"],
+     "--tier-bandwidth 'storage=fast': cannot parse the rate 'fast' (bytes per second, e.g. 2GB/s or 2e9)"),
+    (["--tier-bandwidth", "storage=0"], "--tier-bandwidth 'storage=0': the rate must be a finite number > 0"),
+    (["--tier-bandwidth", "storage=inf"], "--tier-bandwidth 'storage=inf': the rate must be a finite number > 0"),
+    (["--storage-blocks", ""], "--storage-blocks is empty (''); give a value or leave the option out"),
     # an empty value was silently the default
     (["--cpu-blocks", ""], "--cpu-blocks is empty (''); give a value or leave the option out"),
     (["--cpu-bytes", " "], "--cpu-bytes is empty (' '); give a value or leave the option out"),

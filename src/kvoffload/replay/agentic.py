@@ -34,15 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvoffload.replay.traces import (
-    MASK64,
-    Request,
-    Trace,
-    TraceError,
-    _int_field,
-    _num_field,
-    mix64,
-)
+from kvoffload.replay.trace_model import MASK64, Request, Trace, TraceError, int_field, mix64, num_field
 
 BLOCK_SIZE = 64  # the format's default (the tester's --chunk-size)
 DEFAULT_STAGGER_S = 60.0  # as issue 17's study: conversations start a minute apart
@@ -157,14 +149,14 @@ class _Parser:
             at = f"{where}[{i}]"
             if not isinstance(d, dict):
                 raise TraceError(f"{self.f}: {at}: expected a JSON object, got {type(d).__name__}")
-            t = _num_field(d, "t", self.f, at)
+            t = num_field(d, "t", self.f, at)
             if d.get("type") == "subagent":
                 self.agents += 1
                 self.walk(d.get("requests"), f"{at}.requests", base + t, f"{self.stem}/sa{self.agents}", depth + 1)
                 continue
             for key in ("api_time", "think_time"):  # the pacing t records; checked, not needed
                 if key in d:
-                    _num_field(d, key, self.f, at)
+                    num_field(d, key, self.f, at)
             arrival_ms = (self.start_s + base + t) * 1000.0
             if not math.isfinite(arrival_ms):  # finite parts, an infinite sum: the clock would never get there
                 raise TraceError(f"{self.f}: {at}: arrival time overflows ({self.start_s:g} s stagger "
@@ -172,8 +164,8 @@ class _Parser:
             self.out.append(self._request(d, at, arrival_ms, agent))
 
     def _request(self, d: dict, at: str, arrival_ms: float, agent: str) -> Request:
-        n_in = _int_field(d, "in", self.f, at)
-        n_out = _int_field(d, "out", self.f, at)
+        n_in = int_field(d, "in", self.f, at)
+        n_out = int_field(d, "out", self.f, at)
         ids = d.get("hash_ids")
         if not isinstance(ids, list):
             raise TraceError(f"{self.f}: {at}: hash_ids must be a list of integers, got {ids!r}")

@@ -1,31 +1,32 @@
-"""`kvoffload replay`: replay a serving trace through real offload tiers."""
+"""`kvoffload replay`: replay a serving trace through real offload tiers.
+
+The parser and the run; the option checks are in cli_checks.py, what the
+options turn into in cli_options.py."""
 
 from __future__ import annotations
 
 import argparse
-import json
-import math
-import os
 import sys
-import time
 from pathlib import Path
-from typing import Any
-from urllib.parse import urlsplit
 
-from kvoffload.config import ConfigError, check_fits_in_memory, memory_available, parse_bytes, positive_int
-from kvoffload.policies import DEFAULT_POLICY, get_policy_class, policy_names
-from kvoffload.redact import redact_text, redact_url
+from kvoffload.config import ConfigError, memory_available
+from kvoffload.policies import DEFAULT_POLICY, policy_names
+from kvoffload.redact import redact_text
+from kvoffload.replay.cli_checks import (  # noqa: F401 - parse_capacity: the benchmarks' too
+    MAX_SESSIONS,
+    check_args,
+    check_engine_memory,
+    parse_capacity,
+    policy_list,
+    sweep_points,
+    write_output,
+)
+from kvoffload.replay.cli_options import ENGINE_BATCHED_TOKENS, build_options, load, start_observability, stop_observability
+from kvoffload.replay.engine_time import TIME_MODELS
+from kvoffload.replay.models import DEFAULT_MODEL, MODEL_PRESETS, preset_table
 from kvoffload.replay.sweep import default_workers, fit_workers, replay_once, run_sweep
-from kvoffload.replay.traces import FORMATS, Trace, load_trace, mark_final_turns
-
-# KV bytes per token (K and V, all layers, bf16) of common models.
-MODEL_PRESETS = {
-    "tiny": 16,
-    "llama-3.1-8b": 128 * 1024,  # 32 layers x 8 KV heads x 128 dims x 2 x 2 B
-    "llama-3.1-70b": 320 * 1024,  # 80 layers x 8 x 128 x 2 x 2 B
-    "mistral-7b": 128 * 1024,
-    "qwen2.5-7b": 56 * 1024,  # 28 layers x 4 x 128 x 2 x 2 B
-}
+from kvoffload.replay.trace_model import Trace
+from kvoffload.replay.traces import FORMATS
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -64,6 +65,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--storage-dir", help="storage tier directory (storage_dir; needs a spec with a "
                    "storage tier, e.g. tiered)")
     s.add_argument("--storage-bytes", help="storage tier size (storage_bytes)")
+    s.add_argument("--storage-blocks", help="storage tier size in blocks, or a share of the trace's unique "
+                   "blocks such as 25%% (sets storage_bytes: that many slots of one block each)")
     s.add_argument("--remote-url", help="remote tier URL, e.g. redis://127.0.0.1:6379, or "
                    "mooncake://MASTER_HOST:RPC_PORT for a Mooncake Store (remote_url)")
     s.add_argument("--offload-prompt-only", action=argparse.BooleanOptionalAction, default=None,
@@ -74,19 +77,35 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     e.add_argument("--gpu-blocks", type=int, default=0,
                    help="GPU prefix cache size in blocks (0: the trace README's reference semantics)")
     e.add_argument("--max-running", type=int, default=1, help="requests in flight at once (default 1)")
-    e.add_argument("--max-batched-tokens", type=int, default=0,
-                   help="prompt tokens computed per step (vLLM's chunked prefill; vLLM's default is 8192): a "
-                        "long prompt is stored a chunk a step, as vLLM stores it (default 0: each prompt "
-                        "whole in one step)")
-    e.add_argument("--model", choices=sorted(MODEL_PRESETS), help="KV bytes per token of a model")
-    e.add_argument("--kv-bytes-per-token", type=int, help="KV bytes per token (default 16: fast)")
+    e.add_argument("--max-batched-tokens", type=int,
+                   help="prompt tokens computed per step (vLLM's chunked prefill): a long prompt is stored a "
+                        f"chunk a step, as vLLM stores it (default: {ENGINE_BATCHED_TOKENS}, `vllm serve`'s on an "
+                        "H100, with --time-model engine and --order vllm; else 0: each prompt whole in one step)")
+    e.add_argument("--model", choices=sorted(MODEL_PRESETS), metavar="PRESET",
+                   help=f"a model on a GPU: its KV bytes per token, prefill and decode rates (default "
+                        f"{DEFAULT_MODEL} for the time model; copies stay at 16 B/token unless --model is "
+                        f"given): {preset_table()}")
+    e.add_argument("--kv-bytes-per-token", type=int, help="KV bytes per token actually copied (default: "
+                   "--model's, else 16: fast; the time model still moves the model's bytes)")
+    e.add_argument("--time-model", choices=TIME_MODELS, default="auto",
+                   help="engine: a step lasts its compute time (prefill and decode at the model's rates) and "
+                        "the tiers below CPU move bytes at their bandwidth on that simulated clock "
+                        "(deterministic); fast: no clock, the tiers as fast as this machine runs them; auto "
+                        "(default): engine with a tier below CPU, else fast")
+    e.add_argument("--decode-tokens-per-s", type=float,
+                   help="decode throughput of the engine, output tokens/s (default: --model's)")
+    e.add_argument("--tier-bandwidth", action="append", default=[], metavar="NAME=RATE",
+                   help="time model: a tier's bandwidth, e.g. storage=2GB/s (default by kind: local storage "
+                        "2 GB/s, remote 2.5 GB/s; 100 us per job)")
     e.add_argument("--arrival", choices=("asap", "trace"), default="asap",
                    help="asap (default): as fast as possible; trace: on the trace's timestamps (simulated clock)")
     e.add_argument("--time-compression", type=float, default=1.0, help="divide timestamps by this (default 1)")
-    e.add_argument("--prefill-tokens-per-s", type=float, default=10_000.0,
-                   help="prefill cost, for the time-saved estimate and the simulated clock (default 10000)")
+    e.add_argument("--prefill-tokens-per-s", type=float,
+                   help="prefill throughput of the engine, prompt tokens/s: the time model, the time-saved "
+                        "estimate, --arrival trace's clock (default: --model's, 10000 for llama-8b-h100)")
     e.add_argument("--sync-tiers", action="store_true",
-                   help="let the tiers finish cascading stores after each step (deterministic)")
+                   help="let the tiers finish cascading stores after each step, whatever they take "
+                        "(--time-model fast)")
     e.add_argument("--strict", action="store_true", help="stop at the first byte mismatch")
     e.add_argument("--verify", choices=("sample", "all"), default="sample",
                    help="byte checks of every loaded block: sample (default): its first and last 8 bytes and "
@@ -135,282 +154,6 @@ def one_line(e: BaseException) -> str:
     else:
         msg = str(e) or type(e).__name__
     return redact_text(" ".join(msg.split()))
-
-
-HOLD_MAX_S = 365 * 86400
-# The generator draws every session's start time up front (8 bytes each), even under --limit.
-MAX_SESSIONS = 10_000_000
-# Options that are alternatives: given together, one would be silently ignored.
-ALTERNATIVES = (("cpu_bytes", "cpu_blocks"), ("cpu_bytes", "sweep"), ("model", "kv_bytes_per_token"))
-
-
-def option(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def check_args(args) -> None:
-    """Refuse bad option values before anything runs (ConfigError naming
-    the option and the value)."""
-    def finite(name: str, value: float | None, low: float, low_ok: bool) -> None:
-        if value is not None and not (math.isfinite(value) and (value >= low if low_ok else value > low)):
-            need = f"a finite number {'>=' if low_ok else '>'} {low:g}"
-            raise ConfigError(f"--{name.replace('_', '-')} must be {need}, got {value!r}")
-    # '' is a mistake (an unset shell variable), not "the default": argparse passes it through
-    for name in ("trace", "cpu_blocks", "cpu_bytes", "storage_dir", "storage_bytes", "remote_url", "spec",
-                 "json", "markdown", "plot_dir", "events_endpoint"):
-        value = getattr(args, name)
-        if value is not None and not value.strip():
-            what = "the trace path" if name == "trace" else option(name)
-            raise ConfigError(f"{what} is empty ({value!r}); give a value or leave the option out")
-    for a, b in ALTERNATIVES:
-        if getattr(args, a) is not None and getattr(args, b) is not None:
-            raise ConfigError(f"{option(a)} and {option(b)} are alternatives; give one")
-    policies = policy_list(args.policy)
-    if not policies:
-        raise ConfigError(f"--policy {args.policy!r} names no policy (e.g. lru, or lru,arc,hubchain)")
-    for name in policies:
-        if policies.count(name) > 1:
-            raise ConfigError(f"--policy names {name!r} twice")
-        get_policy_class(name)  # an unknown one: ConfigError naming it and the known ones
-    finite("hold", args.hold, 0, True)
-    if args.hold > HOLD_MAX_S:  # time.sleep overflows past time_t
-        raise ConfigError(f"--hold must be at most {HOLD_MAX_S} seconds (a year), got {args.hold!r}")
-    finite("prefill_tokens_per_s", args.prefill_tokens_per_s, 0, False)
-    finite("time_compression", args.time_compression, 0, False)
-    finite("stagger", args.stagger, 0, True)
-    for name in ("kv_bytes_per_token", "max_running", "sessions"):
-        value = getattr(args, name)
-        if value is not None and value <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if args.sessions > MAX_SESSIONS:
-        raise ConfigError(f"--sessions must be at most {MAX_SESSIONS}, got {args.sessions}")
-    if args.seed < 0:
-        raise ConfigError(f"--seed must be 0 or more, got {args.seed}")
-    if args.gpu_blocks < 0:
-        raise ConfigError(f"--gpu-blocks must be 0 or more, got {args.gpu_blocks}")
-    if args.metrics_port is not None and not 0 <= args.metrics_port <= 65535:
-        raise ConfigError(f"--metrics-port must be a TCP port in 0..65535 (0: any free one), got {args.metrics_port}")
-    if args.sweep_workers is not None and args.sweep_workers <= 0:
-        raise ConfigError(f"--sweep-workers must be positive, got {args.sweep_workers}")
-    if args.sweep is not None and not sweep_points(args.sweep):
-        raise ConfigError(f"--sweep {args.sweep!r} names no capacity (e.g. 1%,5%,1000)")
-    if args.remote_url is not None:
-        try:
-            parts = urlsplit(args.remote_url)
-            parts.port  # noqa: B018 - parses the port: ValueError when out of range
-        except ValueError as e:
-            raise ConfigError(f"--remote-url {redact_url(args.remote_url)!r}: {e}") from None
-    for name in ("json", "markdown", "plot_dir"):
-        if getattr(args, name) is not None:
-            check_output(option(name), getattr(args, name), directory=name == "plot_dir")
-    if args.json is not None and args.markdown is not None and \
-            os.path.realpath(args.json) == os.path.realpath(args.markdown):
-        raise ConfigError(f"--json and --markdown name the same file {args.markdown!r}; give two")
-
-
-def check_output(flag: str, path: str, directory: bool = False) -> None:
-    """Refuse now, not after an hour-long sweep, an output the end could not
-    write: its folder (or the nearest that exists; the rest is made at the
-    end) must be a writable directory, and an existing file writable."""
-    p = Path(path)
-    if p.is_dir() and not directory:
-        raise ConfigError(f"{flag} {path!r} is a directory; give a file path")
-    if p.exists() and not p.is_dir() and directory:
-        raise ConfigError(f"{flag} {path!r} is not a directory")
-    here = p if directory else p.parent
-    while not here.exists() and here != here.parent:
-        here = here.parent
-    if not here.is_dir():
-        raise ConfigError(f"{flag} {path!r}: {str(here)!r} is not a directory")
-    if not os.access(here, os.W_OK | os.X_OK):
-        raise ConfigError(f"{flag} {path!r}: {str(here)!r} is not writable")
-    if p.is_file():  # a regular file only (a FIFO would block); root's access() passes /proc files
-        try:
-            open(p, "ab").close()  # appends nothing: the file is unchanged
-        except OSError as e:
-            raise ConfigError(f"{flag} {path!r}: {e.strerror}") from None
-
-
-def write_output(flag: str, path: str | Path, write) -> None:
-    """write(), its OSError naming the option and the file (ENOSPC and EIO name neither)."""
-    try:
-        write()
-    except OSError as e:
-        raise ConfigError(f"cannot write {flag} {str(path)!r}: {e.strerror or e}") from None
-
-
-def sweep_points(value: str) -> list[str]:
-    return [c.strip() for c in value.split(",") if c.strip()]
-
-
-def policy_list(value: str) -> list[str]:
-    return [p.strip() for p in value.split(",") if p.strip()]
-
-
-def check_engine_memory(trace: Trace, opts) -> int:
-    """The simulated GPU cache is allocated first, sized as ReplayEngine
-    sizes it (room for every running request at its largest, plus the
-    cache): refuse a size the machine cannot hold before allocating it.
-    Returns about what the replay holds in memory (that cache and a CPU
-    pool of num_cpu_chunks pages, 4 KiB-aligned, or cpu_bytes_to_use)."""
-    bs = trace.block_size
-
-    def blocks_of(r) -> int:
-        decode = (len(r.decode_hashes) if r.decode_hashes is not None
-                  else max(0, (r.prompt_tokens + r.output_tokens) // bs - len(r.block_hashes)))
-        return len(r.block_hashes) + decode
-
-    biggest = max(blocks_of(r) for r in trace.requests)
-    blocks = opts.gpu_blocks + opts.max_running * max(1, biggest)
-    page = opts.kv_bytes_per_token * bs
-    check_fits_in_memory(blocks * page, f"the simulated GPU KV cache ({blocks} blocks of {page} bytes: "
-                                        f"--gpu-blocks, --max-running, the longest request, --kv-bytes-per-token)")
-    extra = opts.extra_config
-    # --extra values are raw: read them by the spec's own rules (its ConfigError naming the key)
-    if "cpu_bytes_to_use" in extra:
-        pool = parse_bytes(extra["cpu_bytes_to_use"], "cpu_bytes_to_use")
-    elif "num_cpu_chunks" in extra:
-        pool = positive_int(extra["num_cpu_chunks"], "num_cpu_chunks") * (-(-page // 4096) * 4096)
-    else:
-        pool = 0
-    return blocks * page + pool
-
-
-def parse_capacity(value: str, unique_blocks: int, key: str = "--cpu-blocks") -> int:
-    v = str(value).strip()
-    try:
-        if v.endswith("%"):
-            share = float(v[:-1])
-            if not math.isfinite(share):
-                raise ValueError(v)
-            n = int(share / 100.0 * unique_blocks + 0.5)
-        else:
-            n = int(v)
-    except ValueError:
-        raise ConfigError(f"{key}: cannot parse {value!r} (blocks, or a share such as 5%)") from None
-    if n <= 0:
-        raise ConfigError(f"{key}: {value!r} gives {n} blocks; need at least 1")
-    return n
-
-
-def _extra_kv(items: list[str]) -> dict[str, Any]:
-    out = {}
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"--extra {item!r}: expected KEY=VALUE")
-        k, v = item.split("=", 1)
-        try:
-            out[k] = json.loads(v)
-        except json.JSONDecodeError:
-            out[k] = v
-        except RecursionError:
-            raise ConfigError(f"--extra {k}: JSON nested too deeply") from None
-        except ValueError as e:  # an integer of more than 4300 digits
-            raise ConfigError(f"--extra {k}: {e}") from None
-    return out
-
-
-def _load(args) -> Trace:
-    trace = _load_requests(args)
-    if args.hint_final_turns:
-        mark_final_turns(trace)
-    return trace
-
-
-def _load_requests(args) -> Trace:
-    if args.trace:
-        return load_trace(args.trace, args.format, args.block_size, args.limit, stagger_s=args.stagger)
-    from kvoffload.replay.generator import generate_chat
-
-    if args.sessions <= 0 or (args.block_size is not None and args.block_size <= 0):
-        raise ConfigError("--sessions and --block-size must be positive")
-    if args.limit is not None and args.limit <= 0:
-        raise ConfigError(f"--limit must be positive, got {args.limit}")
-    bs = 64 if args.block_size is None else args.block_size
-    # --limit N needs only the first N sessions; each costs about 4 KiB plus its block
-    # hashes (8-byte references, in every turn's prefix), and each start time 8 bytes
-    built = min(args.sessions, args.limit or args.sessions)
-    check_fits_in_memory(8 * args.sessions + built * (4096 + 400_000 // bs),
-                         f"the generated workload ({built:,} sessions of --sessions {args.sessions:,} "
-                         f"at --block-size {bs})")
-    return generate_chat(seed=args.seed, sessions=args.sessions, block_size=bs, limit=args.limit,
-                         progress=not args.no_progress)
-
-
-def build_options(args, trace: Trace, cpu_blocks: str | None = None, policy: str | None = None,
-                  point: str | None = None):
-    """The engine's options for one replay. `point` names one replay of
-    several (a --sweep's capacity, a --policy list's policy): the tiers
-    below CPU keep their blocks under a namespace of their own for it, so
-    replays running side by side neither share a storage directory (its
-    lock) nor serve each other's blocks."""
-    from kvoffload.replay.engine import EngineOptions
-
-    extra: dict[str, Any] = {"eviction_policy": policy or policy_list(args.policy)[0]}
-    given = _extra_kv(args.extra)
-    cap = cpu_blocks or args.cpu_blocks
-    if cap is not None or not (args.cpu_bytes or "cpu_bytes_to_use" in given):
-        # name what the capacity came from: a trace with few unique blocks gives 10% of them = 0
-        key = "--sweep" if cpu_blocks else "--cpu-blocks" if args.cpu_blocks else "--cpu-blocks (default 10%)"
-        extra["num_cpu_chunks"] = parse_capacity(cap or "10%", trace.num_unique_blocks(), key)
-    if args.cpu_bytes and not cpu_blocks:
-        extra.pop("num_cpu_chunks", None)
-        extra["cpu_bytes_to_use"] = parse_bytes(args.cpu_bytes, "--cpu-bytes")
-    if args.storage_dir:
-        extra["storage_dir"] = args.storage_dir
-    if args.storage_bytes:
-        extra["storage_bytes"] = parse_bytes(args.storage_bytes, "--storage-bytes")
-    if args.remote_url:
-        extra["remote_url"] = args.remote_url
-    if args.offload_prompt_only is not None:
-        extra["offload_prompt_only"] = args.offload_prompt_only
-    extra.update(given)
-    if point is not None and any(extra.get(k) for k in ("storage_dir", "remote_url", "secondary_tiers")):
-        ns = extra.get("namespace", {})
-        if isinstance(ns, dict):  # (else left as given: the spec names the error)
-            extra["namespace"] = {**ns, "model": f"{ns.get('model', 'unknown')} (replay {point})"}
-    spec = args.spec or ("tiered" if (args.storage_dir or args.remote_url) else "cpu")
-    kv = args.kv_bytes_per_token or MODEL_PRESETS[args.model or "tiny"]
-    return EngineOptions(
-        spec=spec, extra_config=extra, kv_bytes_per_token=kv, gpu_blocks=args.gpu_blocks,
-        max_running=args.max_running, max_batched_tokens=args.max_batched_tokens, arrival=args.arrival,
-        time_compression=args.time_compression,
-        prefill_tokens_per_s=args.prefill_tokens_per_s, strict=args.strict, verify=args.verify,
-        sync_tiers=args.sync_tiers, copy_thread=args.copy_thread,
-        progress=not args.no_progress, metrics=getattr(args, "_metrics", None),
-        events=getattr(args, "_events", None), order=args.order, preempt_every=args.preempt_every,
-        abort_every=args.abort_every, reset_every=args.reset_every,
-    )
-
-
-def _start_observability(args) -> None:
-    """Metrics endpoint and event publisher, shared by every replay of this run."""
-    args._metrics = args._events = None
-    if args.metrics_port is not None:
-        from kvoffload.metrics import PrometheusMetrics
-
-        args._metrics = PrometheusMetrics(config_info={"policy": args.policy, "spec": args.spec or "auto"},
-                                          vllm_names=not args.no_vllm_metric_names)
-        try:
-            port = args._metrics.serve(args.metrics_port)
-        except OSError as e:  # "Address already in use" names no port
-            raise ConfigError(f"--metrics-port {args.metrics_port}: {e.strerror or e}") from None
-        print(f"kvoffload replay: metrics on http://127.0.0.1:{port}/metrics", file=sys.stderr)
-    if args.events_endpoint:
-        from kvoffload.events import ZmqEventPublisher
-
-        args._events = ZmqEventPublisher(args.events_endpoint, event_format=args.events_format)
-        print(f"kvoffload replay: KV events on {args._events.endpoint}", file=sys.stderr)
-
-
-def _stop_observability(args) -> None:
-    if getattr(args, "_metrics", None) is not None:
-        if args.hold > 0:
-            time.sleep(args.hold)
-        args._metrics.close()
-    if getattr(args, "_events", None) is not None:
-        args._events.close()
-
 
 def _replays(args, trace: Trace, policies: list[str]) -> dict[str, list]:
     """Several replays of one command: each policy at each capacity (the
@@ -475,8 +218,8 @@ def _run(args) -> int:
 
     check_args(args)
     try:
-        _start_observability(args)
-        trace = _load(args)
+        start_observability(args)
+        trace = load(args)
         policies = policy_list(args.policy)
         if len(policies) > 1:
             by_policy = _replays(args, trace, policies)
@@ -494,7 +237,7 @@ def _run(args) -> int:
             points = []
             print(report.format_table(results[0]))
     finally:
-        _stop_observability(args)
+        stop_observability(args)
     compared = len(policies) > 1
     if args.json:
         several = points or compared
@@ -519,6 +262,8 @@ def _run(args) -> int:
         if points:
             report.plot_sweep(points, d / "hit_rate_vs_capacity.png", title=trace.name)
         print(f"plots written to {d}/", file=sys.stderr)
+    for warning in dict.fromkeys(filter(None, map(report.cpu_size_warning, results))):
+        print(f"kvoffload replay: warning: {warning}", file=sys.stderr)
     failures = sum(r.counters["verify_failures"] for r in results)
     if failures:
         print(f"kvoffload replay: {int(failures)} loaded blocks did not match what was stored",

@@ -41,6 +41,7 @@ from kvoffload.abstractions import (
 )
 from kvoffload.config import CacheConfig, ConfigError, KVGroupConfig, OffloadingConfig
 from kvoffload.replay.contents import BlockContents
+from kvoffload.replay.engine_time import EngineTime
 from kvoffload.replay.gpu import GPUBlocks
 from kvoffload.replay.legacy_order import LegacyOrder
 from kvoffload.replay.scheduling import Scheduling
@@ -63,6 +64,12 @@ class EngineOptions:
     arrival: str = "asap"  # "asap" or "trace" (timestamps on a simulated clock)
     time_compression: float = 1.0
     prefill_tokens_per_s: float = 10_000.0
+    # engine time (engine_time.py): "engine" paces the tiers below CPU on a
+    # simulated clock at the compute time of each step; "fast": no clock
+    time_model: str = "fast"
+    decode_tokens_per_s: float = 3_000.0
+    model_kv_bytes_per_token: int = 128 * 1024  # KV bytes a tier moves per token (engine time)
+    tier_bandwidth: dict[str, float] | None = None  # tier name -> bytes/s (else by its kind)
     max_delay_steps: int = 1000  # then a pending lookup counts as a miss
     # vLLM's chunked prefill (vllm order): prompt tokens computed per step, so
     # a long prompt is stored a chunk a step, as vLLM's connector stores it
@@ -129,7 +136,7 @@ COUNTERS = (
     "evicted_blocks", "allocation_failures", "delayed_lookups", "delay_timeouts",
     "load_failures", "store_failures", "verify_failures", "verified_blocks",
     "gpu_evictions", "steps", "sim_time_ms", "preemptions", "aborts", "resets",
-    "stale_completions", "fence_waits", "delayed_for_transfers",
+    "stale_completions", "fence_waits", "delayed_for_transfers", "compute_s", "tier_wait_s",
 )
 
 
@@ -140,7 +147,9 @@ def _check_options(opts: EngineOptions, block_size: int) -> None:
                           f"got {opts.kv_bytes_per_token} * {block_size}")
     if opts.max_running <= 0:
         raise ConfigError(f"max_running must be positive, got {opts.max_running}")
-    for name in ("time_compression", "prefill_tokens_per_s"):
+    if opts.time_model not in ("engine", "fast"):
+        raise ConfigError(f"time_model must be 'engine' or 'fast', got {opts.time_model!r}")
+    for name in ("time_compression", "prefill_tokens_per_s", "decode_tokens_per_s", "model_kv_bytes_per_token"):
         if not getattr(opts, name) > 0:
             raise ConfigError(f"{name} must be positive, got {getattr(opts, name)!r}")
     if opts.gpu_blocks < 0:
@@ -163,7 +172,7 @@ def _check_options(opts: EngineOptions, block_size: int) -> None:
         raise ConfigError(f"max_batched_tokens needs order 'vllm' (got order {opts.order!r})")
 
 
-class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
+class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder, EngineTime):
     def __init__(self, trace: Trace, opts: EngineOptions):
         self.trace = trace
         self.opts = opts
@@ -199,6 +208,11 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
         inline = getattr(self.worker, "run_copies_inline", None)
         self.copies_inline = not opts.copy_thread and inline is not None and inline()
         # The engine calls both through timed proxies (their share of the time).
+        try:
+            self._install_clock()  # (engine time: the tiers' workers paced by a simulated clock)
+        except ConfigError:
+            self.close()
+            raise
         self.mgr = TimedManager(self.manager)
         self.wrk = TimedWorker(self.worker)
         self._content = Stopwatch()  # writing and checking block contents
@@ -222,6 +236,10 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
         self._step_tokens = 0
         self._jobs: dict[int, Job] = {}  # submitted, not completed
         self.c: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+        self.c["longest_prompt_blocks"] = max(len(r.block_hashes) for r in trace.requests)
+        half = getattr(self._primary, "num_chunks", 0) // 2  # what promotions may hold (tiering/promotion.py)
+        if half:  # prompt blocks the tiers below can never return: past half of CPU
+            self.c["blocks_beyond_half_cpu"] = sum(max(0, len(r.block_hashes) - half) for r in trace.requests)
         self._tiers: dict[str, dict[str, Any]] = {}
         self.timeline: list[dict[str, float]] = []
 
@@ -290,6 +308,8 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
             else:
                 if not waiting and not self.running and arrivals:
                     now = max(now, arrivals[0].arrival_ms / opts.time_compression)
+                    if self.clock is not None:  # the tiers worked through the idle gap
+                        self.clock.now_s = max(self.clock.now_s, now / 1000.0)
                 while arrivals and arrivals[0].arrival_ms / opts.time_compression <= now:
                     waiting.append((arrivals.popleft(), 0))
             if opts.sync_tiers:
@@ -300,18 +320,20 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
                 if opts.events is not None:
                     opts.events.publish(self.manager.take_events())
                 finished = self._settle()
+                self._step_busy = bool(new_ids or finished)
                 if not finished and not new_ids:
                     self._idle_wait()
                     finished = self._settle()
             else:
                 finished = self._vllm_step(waiting)
-            now += max(1.0, 1000.0 * self._step_tokens / opts.prefill_tokens_per_s)
+            now = self._advance_clock(now)
             for _ in range(finished):
                 done += 1
                 if done % sample_at == 0 or done == total:
                     self._sample(done)
             if bar is not None and finished:
                 bar.update(finished)
+        self._finish_clock()
         self._drain_tiers()
         if opts.events is not None:
             opts.events.publish(self.manager.take_events())
@@ -322,6 +344,8 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
         self.c["sim_time_ms"] = now
         self.c["gpu_evictions"] = self.gpu.evictions
         self._collect_stats()
+        for name, t in self.time_report().items():
+            self._tiers.setdefault(name, {"counters": {}, "gauges": {}})["engine_time"] = t
         return ReplayResult(
             trace=self.trace.name,
             options={k: v for k, v in vars(opts).items() if not k.startswith("progress")} | {
@@ -340,6 +364,8 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder):
         """Nothing to compute: wait for our transfers, or give the tiers' threads time."""
         if self._jobs:
             self.wrk.wait(set(self._jobs))
+        elif self.clock is not None:  # engine time: the step's clock jumps to the next tier landing
+            self.c["idle_waits"] += 1
         else:  # only the tiers are busy (promotions): let their threads run
             with self._idle:
                 time.sleep(self.opts.idle_sleep_s)

@@ -10,6 +10,7 @@ from typing import Any
 from kvoffload.policies import DEFAULT_POLICY
 from kvoffload.redact import redact
 from kvoffload.replay.engine import ReplayResult
+from kvoffload.replay.report_time import cpu_blocks_needed, cpu_size_warning, time_rows  # noqa: F401 (the CLI's too)
 from kvoffload.stats import lookup_hit_rate
 
 
@@ -65,6 +66,10 @@ def summary(r: ReplayResult) -> dict[str, Any]:
         "harness_s": r.harness_s,
         "harness_share": _rate(r.harness_s, r.wall_s),
     }
+    s["time_model"] = o.get("time_model", "fast")
+    s["compute_s"] = c.get("compute_s", 0.0)
+    s["tier_wait_s"] = c.get("tier_wait_s", 0.0)
+    s["cpu_blocks_needed"] = cpu_blocks_needed(r)
     s["tiers"] = tier_rows(r)
     for k, v in r.oracle.items():
         if k != "per_tier":  # shown per tier
@@ -114,6 +119,9 @@ def tier_rows(r: ReplayResult) -> dict[str, dict[str, Any]]:
             **{k: tc[k] for k in ("lookups", "hits", "hits_pending", "stored_blocks", "loaded_blocks",
                                   "promoted_blocks", "evictions", "allocation_failures", "dropped_stores",
                                   "checksum_failures") if k in tc},
+            "counters": dict(tc),  # every counter the tier's stats carry
+            "gauges": dict(t["gauges"]),
+            "engine_time": t.get("engine_time"),
         }
         served_above += served
         if name in per_tier:  # how far from the best any policy could do with these tiers
@@ -170,6 +178,19 @@ def _rows(r: ReplayResult) -> list[tuple[str, str]]:
                          f"{tier['belady_prefix_hit_rate']:.4f}: headroom {tier['belady_headroom']:.4f} "
                          f"({policy} on {scope}: "
                          f"{tier['belady_prefix_hit_rate'] - tier['belady_headroom']:.4f})"))
+        if tier["counters"]:
+            rows.append(("    counters", ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(tier["counters"].items()))))
+        if tier["gauges"]:
+            rows.append(("    gauges at the end", ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(tier["gauges"].items()))))
+        if tier.get("engine_time"):
+            et = tier["engine_time"]
+            rows.append(("    modeled bandwidth", f"{et['bandwidth_Bps'] / 1e9:.2f} GB/s: busy {et['busy_s']:.1f} s "
+                         f"({100 * et['busy_share']:.0f}% of the run), peak backlog {et['peak_backlog_s']:.2f} s; "
+                         f"{et['late_waits']:,} waits on this machine ({et['late_wait_s']:.1f} s wall)"))
+    for name, t in r.tiers.items():  # a composing manager's own counters (its leaves' are above)
+        if t.get("composite") and t["counters"]:
+            rows.append((f"  manager {name}", ", ".join(f"{k} {_fmt(v)}" for k, v in sorted(t["counters"].items()))))
+    rows += time_rows(r, s)
     if not r.oracle and s["tiers"]:
         rows.append(("  vs Belady", "add --oracle to see each tier's distance from the optimum"))
     if r.oracle:

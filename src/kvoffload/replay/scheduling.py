@@ -181,6 +181,7 @@ class Scheduling:
             c["recomputed_tokens"] += req.prompt_tokens - g_tok - o_tok
             if not vllm:  # (the vllm order counts each chunk as it is computed)
                 self._step_tokens += req.prompt_tokens - g_tok - o_tok
+                self._step_decode += req.output_tokens
             if n_off:
                 self._prepare_load(run)
         waiting.extendleft(reversed(skipped))

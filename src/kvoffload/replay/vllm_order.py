@@ -110,6 +110,7 @@ class VllmOrder:
                     continue  # chunked: more of the prompt next step
                 run.phase = "decode"
                 run.left = len(run.keys) - len(run.req.block_hashes)
+                self._step_decode += run.req.output_tokens  # the engine time's decode charge
             elif run.phase == "decode":
                 run.left -= 1
             else:
@@ -119,6 +120,7 @@ class VllmOrder:
                 run.phase = "done"
                 self.finishing.append(run)
                 finished += 1
+        self._step_busy = bool(computing or finished)
         progressed = self._poll()
         if not computing and not finished and not progressed:
             self._idle_wait()
