@@ -46,3 +46,11 @@ def mooncake():
 @pytest.fixture
 def prefix():
     return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(params=["storage", "redis", "mooncake"])
+def section(request, tmp_path, prefix):
+    """One backend section per tier kind: the storage tier, Redis, Mooncake."""
+    from sglang_backend_rig import tier_section
+
+    return tier_section(request.param, request, tmp_path, prefix)

