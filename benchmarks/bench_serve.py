@@ -1,0 +1,272 @@
+"""kvoffload inside real `vllm serve` processes, driven by clients nobody here
+wrote, every configuration against no offloading measured in the same run.
+
+    python benchmarks/bench_serve.py                 # every configuration and dataset (~35 min on 2 cores)
+    python benchmarks/bench_serve.py --quick         # a small smoke run (minutes)
+    python benchmarks/bench_serve.py --configs none,cpu --datasets shared-prefix,no-reuse
+    python benchmarks/bench_serve.py --model DIR     # a real model (a GPU box), instead of the demo one
+
+Per configuration one server (`kvoffload vllm serve`, same core binding and
+process layout for all), then:
+  1. shared-prefix: `vllm bench serve` on vLLM's prefix_repetition dataset
+     (num_prefixes shared prefixes, each with its own suffixes, shuffled);
+  2. output check: --check-prompts prompts with a prefix of their own, one at a
+     time at temperature 0, after a warm-up of each prefix and (offloading
+     configurations) a reset of vLLM's own cache, so the prefix is served by
+     the connector: their output token ids must equal the no-offload server's,
+     where vLLM's own cache serves the same prefix (a prefix computed afresh
+     gives other greedy tokens on CPU: not a fair reference);
+  3. no-reuse: `vllm bench serve` on vLLM's random dataset (nothing shared);
+  4. agentic: kv-cache-tester's trace_replay_tester.py on the agentic traces
+     (multi-turn conversations; vLLM 0.32's `bench serve` has no multi-turn
+     dataset), only for --trace-configs, its contexts capped by --trace-max-context.
+shared-redis / shared-mooncake: after server A (cpu+redis / cpu+mooncake) ran
+phase 1, a fresh server B over the same store runs the same prompts: its
+TTFT, and its hits from /metrics, are what A computed.
+
+Each phase reports TTFT p50/p90/p99, requests/s and failed requests, and the
+offload hits (tokens served by the connector) and bytes from the server's
+/metrics; every figure also as a ratio to `none` in this run. Results: JSON
+(--out), a markdown table on stdout, a plot (--plot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import serve_clients as clients  # noqa: E402
+import serve_metrics as metrics  # noqa: E402
+from serve_report import print_table, ratios, write_plot  # noqa: E402
+from serve_server import ServeProcess, ServerOptions, parse_metrics  # noqa: E402
+from serve_stores import CONFIG_NAMES, SHARED_WITH, Stores, describe, kv_config  # noqa: E402
+
+DATASETS = ("shared-prefix", "no-reuse", "agentic")
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] if m['content'] is string "
+                 "else m['content'] | map(attribute='text') | join('') }}\n{% endfor %}assistant:")
+T0 = time.monotonic()
+
+
+def say(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')} +{time.monotonic() - T0:5.0f}s] {msg}", flush=True)
+
+
+def build_demo_model(path: Path, max_len: int) -> str:
+    """The tiny random-weight Llama (4 layers, hidden 512) with its offline BPE tokenizer."""
+    if not (path / "config.json").exists():
+        subprocess.run([sys.executable, "-m", "kvoffload.cli", "vllm-demo-model", str(path), "--max-len",
+                        str(max_len)], check=True, stdout=subprocess.DEVNULL)
+    return str(path)
+
+
+def kv_bytes_per_token(model: str) -> int:
+    """KV cache bytes one token takes (all layers, K and V), from the model's config.json."""
+    c = json.loads((Path(model) / "config.json").read_text())
+    c = c.get("text_config", c)
+    heads = c.get("num_key_value_heads") or c["num_attention_heads"]
+    head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+    dtype = str(c.get("torch_dtype") or c.get("dtype") or "bfloat16")
+    return c["num_hidden_layers"] * 2 * heads * head_dim * (4 if "32" in dtype else 2)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="a model directory (default: build the demo model)")
+    ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run of minutes")
+    ap.add_argument("--configs", default=",".join(CONFIG_NAMES), help=f"of {', '.join(CONFIG_NAMES)}")
+    ap.add_argument("--datasets", default=",".join(DATASETS), help=f"of {', '.join(DATASETS)}")
+    ap.add_argument("--prompts", type=int, help="shared-prefix prompts (default 64; quick 24)")
+    ap.add_argument("--prefix-len", type=int, help="tokens per shared prefix (default 2048; quick 512)")
+    ap.add_argument("--suffix-len", type=int, help="tokens per suffix (default 512; quick 128)")
+    ap.add_argument("--num-prefixes", type=int, help="shared prefixes (default 16; quick 8)")
+    ap.add_argument("--output-len", type=int, default=16, help="output tokens per request")
+    ap.add_argument("--random-prompts", type=int, help="no-reuse prompts (default 32; quick 8)")
+    ap.add_argument("--random-input-len", type=int, help="no-reuse prompt tokens (default 2048; quick 512)")
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--check-prompts", type=int, default=None, help="prompts in the output check (default 8; quick 4)")
+    ap.add_argument("--gpu-blocks", type=int, help="vLLM's own cache, in blocks (default 384; quick 96)")
+    ap.add_argument("--max-model-len", type=int, help="default: fits the longest prompt (and --trace-max-context)")
+    ap.add_argument("--cpu-bytes", default="2GiB", help="CPU tier of cpu / cpu-lru")
+    ap.add_argument("--tier-cpu-bytes", help="CPU tier in front of storage/redis/mooncake (default: half the "
+                    "shared prefixes' KV, so the secondary tier serves part of the load)")
+    ap.add_argument("--trace-configs", default="none,cpu", help="configurations that replay the agentic traces")
+    ap.add_argument("--trace-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "agentic"))
+    ap.add_argument("--trace-tester", default=str(clients.TRACE_TESTER))
+    ap.add_argument("--trace-max-context", type=int, help="--max-context of the replay (default 12000; quick 6000)")
+    ap.add_argument("--trace-duration", type=int, help="seconds of replay (default 150; quick 60)")
+    ap.add_argument("--trace-users", type=int, default=2)
+    ap.add_argument("--omp-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for every server")
+    ap.add_argument("--multiprocess", action="store_true",
+                    help="vLLM's default process layout (else VLLM_ENABLE_V1_MULTIPROCESSING=0 for every server)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--work-dir", help="logs and results (default: a new temp dir)")
+    ap.add_argument("--out", help="results JSON (default: WORK_DIR/results.json)")
+    ap.add_argument("--plot", default="docs/img/serve_bench.png")
+    a = ap.parse_args(argv)
+    q = a.quick
+    defaults = dict(prompts=(24, 64), prefix_len=(512, 2048), suffix_len=(128, 512), num_prefixes=(8, 16),
+                    random_prompts=(8, 32), random_input_len=(512, 2048), check_prompts=(4, 8),
+                    gpu_blocks=(96, 384), trace_max_context=(6000, 12000), trace_duration=(60, 150))
+    for key, (quick, full) in defaults.items():
+        if getattr(a, key) is None:
+            setattr(a, key, quick if q else full)
+    a.configs = [c for c in a.configs.split(",") if c]
+    a.datasets = [d for d in a.datasets.split(",") if d]
+    for c in a.configs:
+        if c not in CONFIG_NAMES:
+            ap.error(f"unknown configuration {c!r}; known: {', '.join(CONFIG_NAMES)}")
+    for d in a.datasets:
+        if d not in DATASETS:
+            ap.error(f"unknown dataset {d!r}; known: {', '.join(DATASETS)}")
+    if "none" not in a.configs:
+        a.configs.insert(0, "none")  # the reference every ratio is against
+    a.configs.sort(key=lambda c: (c != "none", c in SHARED_WITH))  # none first, B servers after their A
+    a.trace_configs = [c for c in a.trace_configs.split(",") if c in a.configs]
+    longest = a.prefix_len + a.suffix_len + a.output_len + 64
+    if "agentic" in a.datasets:
+        longest = max(longest, a.trace_max_context + 1024)
+    a.max_model_len = a.max_model_len or longest
+    return a
+
+
+class Bench:
+    def __init__(self, a: argparse.Namespace, model: str, work: Path, stores: Stores):
+        self.a, self.model, self.work, self.stores = a, model, work, stores
+        gpu_blocks = max(a.gpu_blocks, a.max_model_len // 32 + 2)  # one request of max_model_len fits
+        template = work / "chat_template.jinja"  # kv-cache-tester sends chat completions
+        template.write_text(CHAT_TEMPLATE)
+        self.opts = ServerOptions(model=model, gpu_blocks=gpu_blocks, max_model_len=a.max_model_len,
+                                  omp_bind=a.omp_bind, uniproc=not a.multiprocess,
+                                  extra_args=["--chat-template", str(template)])
+        self.prefix = clients.prefix_dataset(a.prompts, a.prefix_len, a.suffix_len, a.num_prefixes, a.output_len,
+                                             a.concurrency)
+        self.random = clients.random_dataset(a.random_prompts, a.random_input_len, a.output_len, a.concurrency)
+        check_prefix = min(a.prefix_len, 1024) // 32 * 32  # a whole number of blocks, cheap to prefill
+        self.check_pairs = clients.check_prompts(model, a.check_prompts, check_prefix, 64, a.seed + 1) \
+            if "shared-prefix" in a.datasets and a.check_prompts else []
+        self.reference_tokens: list | None = None
+        self.results: dict[str, dict] = {}
+
+    def server(self, name: str) -> ServeProcess:
+        cfg = kv_config(name, self.stores, self.a.cpu_bytes, self.a.tier_cpu_bytes)
+        return ServeProcess(name.replace("+", "_"), self.opts, cfg, self.work)
+
+    def phase(self, srv: ServeProcess, run) -> tuple[dict, dict]:
+        before = parse_metrics(srv.metrics_text())
+        out = run()
+        return out, metrics.summary(before, parse_metrics(srv.metrics_text()))
+
+    def run_config(self, name: str) -> None:
+        a = self.a
+        res = {"describe": describe(name, a.cpu_bytes, a.tier_cpu_bytes), "phases": {}}
+        self.results[name] = res
+        b_only = name in SHARED_WITH
+        t = time.monotonic()
+        with self.server(name) as srv:
+            say(f"{name}: server up in {time.monotonic() - t:.0f} s ({res['describe']})")
+            if "shared-prefix" in a.datasets:
+                self.bench_phase(name, srv, self.prefix)
+                if self.check_pairs:
+                    self.check_phase(name, srv)
+            if "no-reuse" in a.datasets and not b_only:
+                self.bench_phase(name, srv, self.random)
+            if "agentic" in a.datasets and name in a.trace_configs:
+                out, m = self.phase(srv, lambda: clients.trace_replay(
+                    srv.base_url, self.model, self.work / f"trace-{srv.name}", a.trace_dir, a.trace_max_context,
+                    a.trace_duration, a.trace_users, self.work / f"client-{srv.name}.log", Path(a.trace_tester)))
+                res["phases"]["agentic"] = {**out, "metrics": m}
+                say(f"{name}: agentic: {_line(out, m)}")
+
+    def bench_phase(self, name: str, srv: ServeProcess, ds: clients.Dataset) -> None:
+        out, m = self.phase(srv, lambda: clients.bench_serve(
+            srv.base_url, self.model, ds, self.work / "results", f"{srv.name}-{ds.name}", self.a.seed,
+            self.work / f"client-{srv.name}.log"))
+        self.results[name]["phases"][ds.name] = {**out, "metrics": m}
+        say(f"{name}: {ds.name}: {_line(out, m)}")
+
+    def check_phase(self, name: str, srv: ServeProcess) -> None:
+        # a B server's prefixes are in the store server A filled (A warmed them up in its own check)
+        tokens, m = self.phase(srv, lambda: clients.output_check(
+            srv.base_url, self.model, self.check_pairs, self.a.output_len, warm=name not in SHARED_WITH,
+            reset=name != "none"))
+        failed = sum(t is None for t in tokens)
+        if name == "none":
+            self.reference_tokens = tokens
+            mismatches = 0
+        else:
+            ref = self.reference_tokens or [None] * len(tokens)
+            mismatches = sum(1 for t, r in zip(tokens, ref) if t is None or r is None or t != r)
+        self.results[name]["check"] = {"prompts": len(tokens), "failed": failed, "mismatches": mismatches,
+                                       "offload_hit_tokens": m["offload_hit_tokens"],
+                                       "vllm_cache_hit_tokens": m["vllm_cache_hit_tokens"]}
+        say(f"{name}: output check: {len(tokens)} prompts, {mismatches} mismatches vs none, {failed} failed, "
+            f"{m['offload_hit_tokens']:.0f} tokens served by the connector")
+
+
+def _line(out: dict, m: dict) -> str:
+    return (f"TTFT p50 {out['p50_ttft_ms']:.0f} ms p90 {out['p90_ttft_ms']:.0f} p99 {out['p99_ttft_ms']:.0f}, "
+            f"{out['request_throughput']:.3f} req/s, {out['completed']} ok {out['failed']} failed; "
+            f"connector served {m['offload_hit_tokens']:.0f} tokens, loaded {m['loaded_bytes'] / 2**20:.0f} MiB, "
+            f"stored {m['stored_bytes'] / 2**20:.0f} MiB; {metrics.tier_hits_line(m)}")
+
+
+def machine() -> str:
+    try:
+        model = next(ln.split(":", 1)[1].strip() for ln in subprocess.run(
+            ["lscpu"], capture_output=True, text=True).stdout.splitlines() if ln.startswith("Model name"))
+    except (OSError, StopIteration):
+        model = "unknown CPU"
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    work = Path(a.work_dir or tempfile.mkdtemp(prefix="bench-serve-"))
+    work.mkdir(parents=True, exist_ok=True)
+    say(f"work dir {work}; configurations {', '.join(a.configs)}; datasets {', '.join(a.datasets)}"
+        f"{' (--quick)' if a.quick else ''}")
+    model = a.model or build_demo_model(work / "demo-model", max(8192, a.max_model_len))
+    if a.tier_cpu_bytes is None:  # half the shared prefixes' KV
+        a.tier_cpu_bytes = f"{max(8, a.num_prefixes * a.prefix_len * kv_bytes_per_token(model) // 2 // 2**20)}MiB"
+    say(f"model {model} ({kv_bytes_per_token(model)} KV bytes per token)")
+    stores = Stores(work)
+    bench = Bench(a, model, work, stores)
+    try:
+        for name in a.configs:
+            try:
+                bench.run_config(name)
+            except Exception as e:  # one configuration failing leaves the others' figures
+                say(f"{name}: FAILED: {str(e).splitlines()[0] if str(e) else type(e).__name__} "
+                    f"(traceback in {work / 'errors.log'})")
+                with open(work / "errors.log", "a") as f:
+                    traceback.print_exc(file=f)
+                bench.results.setdefault(name, {})["error"] = str(e)[:2000] or type(e).__name__
+    finally:
+        stores.close()
+    report = {"machine": machine(), "quick": a.quick, "argv": sys.argv[1:], "args": {
+        k: v for k, v in vars(a).items() if k not in ("configs", "datasets", "trace_configs")},
+        "configs": a.configs, "results": bench.results, "ratios": ratios(bench.results)}
+    out = Path(a.out or work / "results.json")
+    out.write_text(json.dumps(report, indent=1))
+    print_table(report)
+    if a.plot:
+        write_plot(report, Path(a.plot))
+        say(f"plot {a.plot}")
+    say(f"results {out}")
+    bad = [n for n, r in bench.results.items() if "error" in r or r.get("check", {}).get("mismatches")
+           or any(p.get("failed") for p in r.get("phases", {}).values())]
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
