@@ -94,11 +94,14 @@ def default_shared_pool_path(vconfig: Any) -> str:
 
 
 def offloading_config(vconfig: Any, spec_keys: tuple[str, ...] = (),
-                      layer_specs: Mapping[str, Any] | None = None) -> OffloadingConfig:
+                      layer_specs: Mapping[str, Any] | None = None,
+                      shared_pool: bool = False) -> OffloadingConfig:
     """Our OffloadingConfig from vLLM's. spec_keys: the extra_config keys our
     spec accepts; what vLLM knows and the user left out is filled in for them:
     the chunk size (the scheduler-side manager is built before any KV cache
     exists, maybe in another process) and the namespace of persistent tiers.
+    shared_pool: the workers' host pool is shared through a file (tensor
+    parallelism, or a scheduler in another process than its worker).
     layer_specs (layer name -> vLLM KVCacheSpec), where known, give each
     group its kind and sliding window."""
     extra = {k: v for k, v in dict(vconfig.extra_config).items()
@@ -114,7 +117,7 @@ def offloading_config(vconfig: Any, spec_keys: tuple[str, ...] = (),
     if ("kv_bytes_per_chunk" in spec_keys and not any(k in extra for k in sizes) and not tp
             and len(vconfig.groups) == 1 and vconfig.worker_kv_bytes_per_block > 0):
         extra["kv_bytes_per_chunk"] = vconfig.worker_kv_bytes_per_block * bpc
-    if tp and "shared_pool_path" in spec_keys:
+    if (tp or shared_pool) and "shared_pool_path" in spec_keys:
         extra.setdefault("shared_pool_path", default_shared_pool_path(vconfig))
     if "tp_size" in spec_keys:  # the namespace keeps each rank's opaque pages apart
         extra.setdefault("tp_size", vconfig.parallel.tp_size)

@@ -41,7 +41,7 @@ from typing import Any
 from kvoffload import metrics_vllm
 from kvoffload.abstractions import OffloadingSpec
 from kvoffload.config import ConfigError, check_known_keys
-from kvoffload.integrations.vllm import convert
+from kvoffload.integrations.vllm import convert, prime_metrics
 from kvoffload.integrations.vllm._compat import vbase
 from kvoffload.integrations.vllm.manager import VLLMOffloadingManager
 from kvoffload.integrations.vllm.worker import VLLMOffloadingWorker
@@ -88,6 +88,7 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
             from vllm.v1.kv_offload.cpu.spec import CPUOffloadingSpec as VLLMCPUOffloadingSpec
 
             VLLMCPUOffloadingSpec.register(cls)
+        prime_metrics.install(dict(extra_config), vllm_names)  # our series at 0 from start-up
         return convert.metric_definitions(build_metric_definitions(dict(extra_config)), vllm_names)
 
     def __init__(self, config: Any):
@@ -108,23 +109,39 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
             raise ConfigError(f"kvoffload spec {self.spec_name!r} cannot share a host pool between TP ranks "
                               f"(no shared_pool_path key): tp={par.tp_size} needs one (e.g. \"cpu\")")
         layer_names = tuple(n for g in config.groups for n in g.layer_names)
+        # Secondary tiers run beside the scheduler on the workers' host pool:
+        # shared through a file when the worker is another process (TP, or
+        # vLLM's multi-process executor at TP=1, the default of `vllm serve` on CPU).
+        # Where the worker is not known (a scheduler's spec, under no vLLM
+        # config, with no worker's here), the first of get_worker / get_manager says.
+        layer_specs = convert.model_layer_specs(layer_names)
+        where = "same"
+        if not self.tensor_parallel and "shared_pool_path" in accepted \
+                and _names_secondary_tiers(spec_cls, config.extra_config):
+            where = _worker_process(config, self.spec_name)
+        self.split = self.tensor_parallel or where != "same"
+        self._pair_config = (convert.offloading_config(config, tuple(accepted), layer_specs)
+                             if where == "unknown" else None)
         self.kvoffload_config = convert.offloading_config(
-            config, tuple(accepted), convert.model_layer_specs(layer_names))
+            config, tuple(accepted), layer_specs, shared_pool=self.split)
         check_config_offloadable(self.kvoffload_config)  # Mamba, indexers: refused here, by name
         # Our path, not the user's: the scheduler removes it once every rank has it open.
-        self._own_pool_path = self.tensor_parallel and "shared_pool_path" not in config.extra_config
+        self._own_pool_path = self.split and "shared_pool_path" not in config.extra_config
         self._spec_cls = spec_cls
+        self._engine_id = config.engine_id
         self._scheduler_pool = None
-        if self.tensor_parallel:
-            # TP ranks are processes of their own (vLLM's mp executor): nothing
-            # to pair with; they share the host pool through its file instead.
-            # A rank runs the CPU tier's worker alone; the spec asked for (its
-            # secondary tiers) is built where the manager is (get_manager).
+        if self.split:
+            # TP ranks (or the one worker) are processes of their own (vLLM's mp
+            # executor): nothing to pair with; they share the host pool through
+            # its file instead. A worker runs the CPU tier's worker alone; the
+            # spec asked for (its secondary tiers) is built where the manager is
+            # (get_manager).
             self._key = None
             extra = self.kvoffload_config.extra_config
             check_known_keys(extra, accepted, f"{spec_cls.__name__} extra_config")  # typos: refused here too
             self.inner = CPUOffloadingSpec(dataclasses.replace(self.kvoffload_config, extra_config={
                 k: v for k, v in extra.items() if k in CPUOffloadingSpec.EXTRA_KEYS}))
+            self.inner.pool_trailer_bytes = _pool_trailer_bytes(spec_cls, extra)  # as the scheduler maps it
         else:
             self._key, self.inner = _shared_spec(config.engine_id, self.spec_name, self.kvoffload_config)
         # vLLM's base class read these with bool() ("false" is true, null false); vLLM's
@@ -136,7 +153,8 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
         self._manager: VLLMOffloadingManager | None = None
 
     def get_manager(self) -> VLLMOffloadingManager:
-        if self._manager is None and self.tensor_parallel:
+        self._pair_config = None  # the manager first: the worker is another process's
+        if self._manager is None and self.split:
             self._manager = VLLMOffloadingManager(self._tp_manager(), self.vllm_metric_names)
         if self._manager is None:
             if _has_secondary_tiers(self.inner) and self.inner.worker is None:
@@ -163,6 +181,12 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
                 raise ConfigError(f"namespace.parallel_layout={ns['parallel_layout']!r}, but TP ranks store "
                                   "canonical pages: 'agnostic' (leave it out)")
             extra["namespace"] = ns
+        if not self.tensor_parallel and not Path(self.inner.shared_pool_path).exists():
+            # at TP=1 the worker made its pool before this scheduler was built, or never will
+            raise ConfigError(
+                "kvoffload secondary tiers (storage, remote) need the host pool of vLLM's worker, and none "
+                f"is at {self.inner.shared_pool_path}: run the worker first, or scheduler and worker in one "
+                "process (the 'uni' executor; on CPU: VLLM_ENABLE_V1_MULTIPROCESSING=0)")
         if self._spec_cls is not CPUOffloadingSpec:
             self.inner = self._spec_cls(dataclasses.replace(self.kvoffload_config, extra_config=extra))
         self.inner.take_pool_geometry()
@@ -177,6 +201,11 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
         return manager
 
     def get_worker(self, kv_caches: Any) -> VLLMOffloadingWorker:
+        if self._pair_config is not None:  # the worker is here after all: one spec for both
+            self.split = self._own_pool_path = False
+            self.kvoffload_config, self._pair_config = self._pair_config, None
+            self._key, self.inner = _shared_spec(self._engine_id, self.spec_name,
+                                                 self.kvoffload_config)
         inner = self.inner.get_worker(convert.kv_caches(kv_caches))
         worker = VLLMOffloadingWorker(inner, getattr(self.inner, "shared_pool", None))
         _done(self._key, "worker")
@@ -189,6 +218,47 @@ def _accepted_keys(spec_cls: type) -> set[str]:
     for c in spec_cls.__mro__:
         keys.update(c.__dict__.get("EXTRA_KEYS", ()))
     return keys
+
+
+def _names_secondary_tiers(spec_cls: type, extra: Any) -> bool:
+    """Whether the config asks the tiered spec for tiers below the CPU one."""
+    from kvoffload.tiering.spec import TieredOffloadingSpec, _tier_configs
+
+    if not issubclass(spec_cls, TieredOffloadingSpec):
+        return False
+    try:
+        return bool(_tier_configs(dict(extra)))
+    except ConfigError:
+        return False  # the spec itself refuses it, with this message
+
+
+def _pool_trailer_bytes(spec_cls: type, extra: Any) -> int:
+    """Room after each pool chunk the secondary tiers ask for (the tiered spec's rule)."""
+    from kvoffload.tiering.spec import TieredOffloadingSpec, _tier_configs
+    from kvoffload.tiering.tier import get_tier_class
+
+    if not issubclass(spec_cls, TieredOffloadingSpec):
+        return 0
+    return max((getattr(get_tier_class(c["type"]), "POOL_TRAILER_BYTES", 0) for c in _tier_configs(dict(extra))),
+               default=0)
+
+
+def _worker_process(config: Any, spec_name: str) -> str:
+    """At TP=1, where vLLM's worker runs against its scheduler: "same",
+    "other" or "unknown". A worker's spec is built under vLLM's current
+    config, whose executor says it ("uni" shares the scheduler's process).
+    The scheduler's is built after its workers set up their KV caches: with
+    the "uni" executor its worker's spec is already here, waiting (_SHARED);
+    else the worker is elsewhere, or this spec serves both (no vLLM)."""
+    from vllm.config import get_current_vllm_config_or_none
+
+    vllm_config = get_current_vllm_config_or_none()
+    if vllm_config is not None:
+        backend = vllm_config.parallel_config.distributed_executor_backend
+        return "same" if backend in (None, "uni", "external_launcher") else "other"
+    waiting = any(key[0] == config.engine_id and key[1] == spec_name and "manager" in roles
+                  for key, (_, roles) in _SHARED.items())
+    return "same" if waiting else "unknown"
 
 
 def _has_secondary_tiers(spec: OffloadingSpec) -> bool:
