@@ -106,8 +106,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trace-duration", type=int, help="seconds of replay (default 150; quick 60)")
     ap.add_argument("--trace-users", type=int, default=2)
     ap.add_argument("--omp-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for every server")
-    ap.add_argument("--multiprocess", action="store_true",
-                    help="vLLM's default process layout (else VLLM_ENABLE_V1_MULTIPROCESSING=0 for every server)")
+    ap.add_argument("--uniproc", action="store_true",
+                    help="VLLM_ENABLE_V1_MULTIPROCESSING=0 for every server (default: vLLM's own process layout)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--work-dir", help="logs and results (default: a new temp dir)")
     ap.add_argument("--out", help="results JSON (default: WORK_DIR/results.json)")
@@ -146,7 +146,7 @@ class Bench:
         template = work / "chat_template.jinja"  # kv-cache-tester sends chat completions
         template.write_text(CHAT_TEMPLATE)
         self.opts = ServerOptions(model=model, gpu_blocks=gpu_blocks, max_model_len=a.max_model_len,
-                                  omp_bind=a.omp_bind, uniproc=not a.multiprocess,
+                                  omp_bind=a.omp_bind, uniproc=a.uniproc,
                                   extra_args=["--chat-template", str(template)])
         self.prefix = clients.prefix_dataset(a.prompts, a.prefix_len, a.suffix_len, a.num_prefixes, a.output_len,
                                              a.concurrency)

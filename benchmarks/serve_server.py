@@ -44,7 +44,7 @@ class ServerOptions:
     max_model_len: int = 4096
     omp_bind: str = "0-1"
     kvcache_space_gib: int = 1
-    uniproc: bool = True  # VLLM_ENABLE_V1_MULTIPROCESSING=0 for every server (storage/remote tiers need it)
+    uniproc: bool = False  # VLLM_ENABLE_V1_MULTIPROCESSING=0 for every server (else vLLM's default layout)
     extra_args: list[str] = field(default_factory=list)
     start_timeout_s: float = 240.0
 

