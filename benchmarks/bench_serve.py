@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -231,6 +232,7 @@ def machine() -> str:
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: servers and stores are stopped
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="bench-serve-"))
     work.mkdir(parents=True, exist_ok=True)
     say(f"work dir {work}; configurations {', '.join(a.configs)}; datasets {', '.join(a.datasets)}"

@@ -112,3 +112,31 @@ def fault_summary(records, samples, faults: list[tuple[str, float]], start: floa
             "quiet_max_gap_s": max((r.max_gap_s for r in quiet), default=0.0),
             "quiet_max_ttft_s": max((r.ttft_s or 0 for r in quiet), default=0.0),
             "max_gap_s": max((r.max_gap_s for r in records), default=0.0)}
+
+
+def plot_soak(records, faults: list[tuple[str, float]], start: float, path, title: str) -> None:
+    """TTFT and the longest chunk gap of every request over time, fault windows shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(10, 3.8))
+    ok = [r for r in records if r.ok]
+    ax.scatter([r.start - start for r in ok], [r.ttft_s or 0 for r in ok], s=6, label="TTFT")
+    ax.scatter([r.start - start for r in ok], [r.max_gap_s for r in ok], s=6, label="longest chunk gap")
+    bad = [r for r in records if not r.ok]
+    if bad:
+        ax.scatter([r.start - start for r in bad], [0] * len(bad), marker="x", color="red", label="failed")
+    times = dict(faults)
+    for i, (fault, (finish, tier)) in enumerate(WINDOWS.items()):
+        if fault in times and finish in times:
+            ax.axvspan(times[fault] - start, times[finish] - start, color=f"C{i + 2}", alpha=0.2,
+                       label=f"{tier} down/full")
+    ax.set_xlabel("seconds into the soak")
+    ax.set_ylabel("seconds")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)

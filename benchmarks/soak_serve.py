@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
+import signal
 import sys
 import tempfile
 import threading
@@ -41,7 +40,7 @@ import serve_clients as clients  # noqa: E402
 from bench_serve import build_demo_model  # noqa: E402
 from serve_load import Load  # noqa: E402
 from serve_server import ServeProcess, ServerOptions, parse_metrics  # noqa: E402
-from serve_soak_faults import DiskFiller, fault_summary  # noqa: E402
+from serve_soak_faults import DiskFiller, fault_summary, plot_soak  # noqa: E402
 from serve_stores import Stores, connector  # noqa: E402
 
 T0 = time.monotonic()
@@ -73,6 +72,7 @@ def parse_args(argv=None):
     ap.add_argument("--probe-every", type=int, default=90)
     ap.add_argument("--omp-bind", default="0-1")
     ap.add_argument("--out", help="results JSON (default WORK_DIR/soak.json)")
+    ap.add_argument("--plot", default="docs/img/serve_soak.png")
     return ap.parse_args(argv)
 
 
@@ -117,6 +117,7 @@ class Scraper(threading.Thread):
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: servers and stores are stopped
     work = Path(a.work_dir or tempfile.mkdtemp(prefix="soak-serve-"))
     work.mkdir(parents=True, exist_ok=True)
     model = a.model or build_demo_model(work / "demo-model", 8192)
@@ -167,7 +168,13 @@ def main(argv=None) -> int:
         result["probes"].append(probe_window(load, srv, model, probes, refs, a.output_len))
         load.stop()
         scraper.stop()
-        result.update(fault_summary(load.snapshot(), scraper.samples, result["faults"], start))
+        records = load.snapshot()
+        result.update(fault_summary(records, scraper.samples, result["faults"], start))
+        result["records"] = [(r.start - start, r.ttft_s, r.max_gap_s, r.ok) for r in records]
+        if a.plot:
+            plot_soak(records, result["faults"], start, Path(a.plot),
+                      f"soak: {a.duration} s, CPU + storage + Redis + Mooncake, {a.clients} clients, "
+                      f"{result['failed_requests']} failed")
     finally:
         srv.stop()
         disk.close()
