@@ -23,7 +23,9 @@ the chunk geometry from the file, then removes it (all ranks have it
 mapped by then). vLLM counts a job done when every rank reports it. Pages
 are canonical, so they are those TP=1 would store. Secondary tiers run
 in the scheduler's process on the same pool (mapped there too), so a
-chunk persisted at TP=2 serves a TP=1 engine.
+chunk persisted at TP=2 serves a TP=1 engine. At TP=1, vLLM's multi-process
+executor (`vllm serve`'s default on CPU) puts the one worker in a process of
+its own: with secondary tiers it takes the same path (one rank).
 
 Model kinds: the worker's process builds its spec while vLLM loads the
 model, so it reads each layer's KVCacheSpec (convert.model_layer_specs) and
@@ -187,7 +189,7 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
                 "kvoffload secondary tiers (storage, remote) need the host pool of vLLM's worker, and none "
                 f"is at {self.inner.shared_pool_path}: run the worker first, or scheduler and worker in one "
                 "process (the 'uni' executor; on CPU: VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-        if self._spec_cls is not CPUOffloadingSpec:
+        if self._spec_cls is not CPUOffloadingSpec or any(k in extra for k in CPUOffloadingSpec.OWN_KEYS):
             self.inner = self._spec_cls(dataclasses.replace(self.kvoffload_config, extra_config=extra))
         self.inner.take_pool_geometry()
         manager = self.inner.get_manager()
@@ -214,7 +216,7 @@ class KVOffloadingSpec(vbase.OffloadingSpec):
 
 def _accepted_keys(spec_cls: type) -> set[str]:
     """extra_config keys a kvoffload spec class accepts (EXTRA_KEYS along its MRO)."""
-    keys: set[str] = set()
+    keys: set[str] = set(getattr(spec_cls, "OWN_KEYS", ()))  # the class's own (CPU: store_threshold)
     for c in spec_cls.__mro__:
         keys.update(c.__dict__.get("EXTRA_KEYS", ()))
     return keys

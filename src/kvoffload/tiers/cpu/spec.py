@@ -14,6 +14,9 @@ extra_config keys:
                        worker creates it, the others open it (waiting for it),
                        each stores its part of the canonical pages
   tp_rank, tp_size     where this worker sits in tensor parallelism
+  store_threshold      (this spec only, as vLLM's CPU spec) store a chunk only
+                       on its Nth offer (int, default 1: every offer);
+                       max_tracker_size: keys whose offers are counted (64000)
 
 The manager lives in the scheduler and is built before any KV cache exists,
 so with cpu_bytes_to_use it needs the chunk size up front: give
@@ -56,6 +59,7 @@ from kvoffload.geometry import (
 )
 from kvoffload.layout import ParallelLayout, check_config_offloadable
 from kvoffload.policies import DEFAULT_POLICY, get_policy_class
+from kvoffload.tiers.cpu.store_threshold import DEFAULT_TRACKER_KEYS, StoreThresholdManager
 from kvoffload.tiers.host_pool import slot_bytes
 
 # How long a process waits for TP rank 0 to make the shared pool file
@@ -74,13 +78,18 @@ class CPUOffloadingSpec(OffloadingSpec):
         # read by the spec registry / vLLM's connector, not by us
         "spec_name", "spec_module_path",
     )
+    # Keys of this spec itself, not of specs built around its CPU tier (the
+    # tiered spec promotes into the CPU tier through the same prepare_store).
+    OWN_KEYS: ClassVar[tuple[str, ...]] = ("store_threshold", "max_tracker_size")
 
     def __init__(self, config: OffloadingConfig):
         extra = config.extra_config
-        check_known_keys(extra, self.EXTRA_KEYS, f"{type(self).__name__} extra_config")
+        check_known_keys(extra, self.EXTRA_KEYS + self.OWN_KEYS, f"{type(self).__name__} extra_config")
         config = self._apply_block_size(config, extra.get("block_size"))
         check_config_offloadable(config)  # Mamba/SSM or indexer state: refuse, never serve it wrong
         super().__init__(config)
+        self.store_threshold = positive_int(extra.get("store_threshold", 1), "store_threshold")
+        self.max_tracker_size = positive_int(extra.get("max_tracker_size", DEFAULT_TRACKER_KEYS), "max_tracker_size")
         self.eviction_policy: str = extra.get("eviction_policy", DEFAULT_POLICY)
         get_policy_class(self.eviction_policy)  # unknown policy: ConfigError now, not at get_manager
         declared_bytes = declared_chunk_bytes(extra, self.config.tokens_per_chunk)
@@ -185,6 +194,8 @@ class CPUOffloadingSpec(OffloadingSpec):
                 self.num_chunks, policy=self.eviction_policy,
                 enable_events=self.kv_events_config.enable_kv_cache_events, geometry=self._resolved,
             )
+            if self.store_threshold > 1:
+                self._manager = StoreThresholdManager(self._manager, self.store_threshold, self.max_tracker_size)
         return self._manager
 
     def get_worker(self, kv_caches: CanonicalKVCaches):
