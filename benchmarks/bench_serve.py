@@ -49,7 +49,7 @@ import serve_clients as clients  # noqa: E402
 import serve_metrics as metrics  # noqa: E402
 from serve_report import print_table, ratios, write_plot  # noqa: E402
 from serve_server import ServeProcess, ServerOptions, parse_metrics  # noqa: E402
-from serve_stores import CONFIG_NAMES, SHARED_WITH, Stores, describe, kv_config  # noqa: E402
+from serve_stores import CONFIG_NAMES, OPTIONAL_CONFIGS, SHARED_WITH, Stores, describe, kv_config  # noqa: E402
 
 DATASETS = ("shared-prefix", "no-reuse", "agentic")
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] if m['content'] is string "
@@ -84,17 +84,19 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="a model directory (default: build the demo model)")
     ap.add_argument("--quick", action="store_true", help="small sizes: a smoke run of minutes")
-    ap.add_argument("--configs", default=",".join(CONFIG_NAMES), help=f"of {', '.join(CONFIG_NAMES)}")
+    ap.add_argument("--configs", default=",".join(CONFIG_NAMES),
+                    help=f"of {', '.join(CONFIG_NAMES + OPTIONAL_CONFIGS)} "
+                         f"(default: all but {', '.join(OPTIONAL_CONFIGS)})")
     ap.add_argument("--datasets", default=",".join(DATASETS), help=f"of {', '.join(DATASETS)}")
     ap.add_argument("--prompts", type=int, help="shared-prefix prompts (default 64; quick 24)")
     ap.add_argument("--prefix-len", type=int, help="tokens per shared prefix (default 2048; quick 512)")
     ap.add_argument("--suffix-len", type=int, help="tokens per suffix (default 512; quick 128)")
     ap.add_argument("--num-prefixes", type=int, help="shared prefixes (default 16; quick 8)")
     ap.add_argument("--output-len", type=int, default=16, help="output tokens per request")
-    ap.add_argument("--random-prompts", type=int, help="no-reuse prompts (default 32; quick 8)")
+    ap.add_argument("--random-prompts", type=int, help="no-reuse prompts (default 24; quick 8)")
     ap.add_argument("--random-input-len", type=int, help="no-reuse prompt tokens (default 2048; quick 512)")
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--check-prompts", type=int, default=None, help="prompts in the output check (default 8; quick 4)")
+    ap.add_argument("--check-prompts", type=int, default=None, help="prompts in the output check (default 6; quick 4)")
     ap.add_argument("--gpu-blocks", type=int, help="vLLM's own cache, in blocks (default 384; quick 96)")
     ap.add_argument("--max-model-len", type=int, help="default: fits the longest prompt (and --trace-max-context)")
     ap.add_argument("--cpu-bytes", default="2GiB", help="CPU tier of cpu / cpu-lru")
@@ -103,8 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trace-configs", default="none,cpu", help="configurations that replay the agentic traces")
     ap.add_argument("--trace-dir", default=str(Path(__file__).resolve().parents[2] / "shared" / "traces" / "agentic"))
     ap.add_argument("--trace-tester", default=str(clients.TRACE_TESTER))
-    ap.add_argument("--trace-max-context", type=int, help="--max-context of the replay (default 12000; quick 6000)")
-    ap.add_argument("--trace-duration", type=int, help="seconds of replay (default 150; quick 60)")
+    ap.add_argument("--trace-max-context", type=int,
+                    help="--max-context of the replay (default 12000; quick 11000: the traces start at 10.5k tokens)")
+    ap.add_argument("--trace-duration", type=int, help="seconds of replay (default 100; quick 60)")
     ap.add_argument("--trace-users", type=int, default=2)
     ap.add_argument("--omp-bind", default="0-1", help="VLLM_CPU_OMP_THREADS_BIND for every server")
     ap.add_argument("--uniproc", action="store_true",
@@ -116,16 +119,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     q = a.quick
     defaults = dict(prompts=(24, 64), prefix_len=(512, 2048), suffix_len=(128, 512), num_prefixes=(8, 16),
-                    random_prompts=(8, 32), random_input_len=(512, 2048), check_prompts=(4, 8),
-                    gpu_blocks=(96, 384), trace_max_context=(6000, 12000), trace_duration=(60, 150))
+                    random_prompts=(8, 24), random_input_len=(512, 2048), check_prompts=(4, 6),
+                    gpu_blocks=(96, 384), trace_max_context=(11000, 12000), trace_duration=(60, 100))
     for key, (quick, full) in defaults.items():
         if getattr(a, key) is None:
             setattr(a, key, quick if q else full)
     a.configs = [c for c in a.configs.split(",") if c]
     a.datasets = [d for d in a.datasets.split(",") if d]
     for c in a.configs:
-        if c not in CONFIG_NAMES:
-            ap.error(f"unknown configuration {c!r}; known: {', '.join(CONFIG_NAMES)}")
+        if c not in CONFIG_NAMES + OPTIONAL_CONFIGS:
+            ap.error(f"unknown configuration {c!r}; known: {', '.join(CONFIG_NAMES + OPTIONAL_CONFIGS)}")
     for d in a.datasets:
         if d not in DATASETS:
             ap.error(f"unknown dataset {d!r}; known: {', '.join(DATASETS)}")

@@ -75,6 +75,21 @@ def _min_up(samples, tier: str, t0: float, t1: float):
     return min(ups) if ups else None
 
 
+def _recovered_after(samples, tier: str, t1: float):
+    """Seconds from the fault's end to the first scrape with the tier's server_up at 1 (None: never)."""
+    for ts, tiers in samples:
+        if ts >= t1 and tiers.get(tier, {}).get("server_up") == 1:
+            return ts - t1
+    return None
+
+
+def _down_share(samples, tier: str, t0: float, t1: float):
+    """Share of the scrapes in [t0, t1] with the tier's server_up at 0."""
+    ups = [tiers.get(tier, {}).get("server_up") for ts, tiers in samples if t0 <= ts <= t1]
+    ups = [u for u in ups if u is not None]
+    return sum(u == 0 for u in ups) / len(ups) if ups else None
+
+
 def _fmt(d: dict, up=None) -> str:
     parts = [] if up is None else [f"server_up {up:.0f}"]
     for k, v in d.items():
@@ -104,14 +119,18 @@ def fault_summary(records, samples, faults: list[tuple[str, float]], start: floa
             "after": _fmt(_deltas(samples, tier, t1, t2), _at(samples, t2).get(tier, {}).get("server_up")),
             "after_failed": sum(not r.ok for r in after),
             "after_max_gap_s": max((r.max_gap_s for r in after), default=0.0),
+            "recovered_after_s": _recovered_after(samples, tier, t1),
         })
     quiet = [r for r in records if not any(r.start < b and r.end > a for a, b in spans)]
+    quiet_down = {t: _down_share([s for s in samples if not any(a <= s[0] <= b for a, b in spans)], t, start, end)
+                  for t in ("redis", "mooncake")}
     return {"requests": len(records), "failed_requests": sum(not r.ok for r in records),
             "errors": sorted({r.error for r in records if not r.ok})[:5], "fault_rows": rows,
             "quiet_s": (end - start) - sum(b - a for a, b in spans),
             "quiet_max_gap_s": max((r.max_gap_s for r in quiet), default=0.0),
             "quiet_max_ttft_s": max((r.ttft_s or 0 for r in quiet), default=0.0),
-            "max_gap_s": max((r.max_gap_s for r in records), default=0.0)}
+            "max_gap_s": max((r.max_gap_s for r in records), default=0.0),
+            "quiet_down_share": quiet_down}
 
 
 def plot_soak(records, faults: list[tuple[str, float]], start: float, path, title: str) -> None:
@@ -132,7 +151,7 @@ def plot_soak(records, faults: list[tuple[str, float]], start: float, path, titl
     for i, (fault, (finish, tier)) in enumerate(WINDOWS.items()):
         if fault in times and finish in times:
             ax.axvspan(times[fault] - start, times[finish] - start, color=f"C{i + 2}", alpha=0.2,
-                       label=f"{tier} down/full")
+                       label={"redis": "Redis killed", "mooncake": "Mooncake master killed"}.get(tier, "disk full"))
     ax.set_xlabel("seconds into the soak")
     ax.set_ylabel("seconds")
     ax.set_title(title, fontsize=9)

@@ -15,6 +15,8 @@ from pathlib import Path
 
 CONFIG_NAMES = ("none", "cpu", "cpu-lru", "cpu+storage", "cpu+redis", "cpu+mooncake",
                 "shared-redis", "shared-mooncake")
+# run only when named: the CPU tier with vLLM's store_threshold 2 (a chunk stored on its second offer)
+OPTIONAL_CONFIGS = ("cpu-t2",)
 # the two-server configurations: server A is the named single-server one
 SHARED_WITH = {"shared-redis": "cpu+redis", "shared-mooncake": "cpu+mooncake"}
 
@@ -73,6 +75,8 @@ def kv_config(name: str, stores: Stores, cpu_bytes: str, tier_cpu_bytes: str) ->
         return None
     if name == "cpu":
         return connector({"kvoffload_spec": "cpu", "cpu_bytes_to_use": cpu_bytes})
+    if name == "cpu-t2":
+        return connector({"kvoffload_spec": "cpu", "cpu_bytes_to_use": cpu_bytes, "store_threshold": 2})
     if name == "cpu-lru":
         return connector({"kvoffload_spec": "cpu", "cpu_bytes_to_use": cpu_bytes, "eviction_policy": "lru"})
     tiered = {"kvoffload_spec": "tiered", "cpu_bytes_to_use": tier_cpu_bytes}
@@ -90,5 +94,5 @@ def describe(name: str, cpu_bytes: str, tier_cpu_bytes: str) -> str:
     if base:
         return f"server B (fresh, CPU {tier_cpu_bytes}) over the store server A ({base}) filled"
     fixed = {"none": "no offloading", "cpu": f"CPU tier {cpu_bytes}, default policy",
-             "cpu-lru": f"CPU tier {cpu_bytes}, lru"}
+             "cpu-lru": f"CPU tier {cpu_bytes}, lru", "cpu-t2": f"CPU tier {cpu_bytes}, store_threshold 2"}
     return fixed.get(name) or f"CPU {tier_cpu_bytes} + {name.partition('+')[2]}"

@@ -171,6 +171,7 @@ def main(argv=None) -> int:
         records = load.snapshot()
         result.update(fault_summary(records, scraper.samples, result["faults"], start))
         result["records"] = [(r.start - start, r.ttft_s, r.max_gap_s, r.ok) for r in records]
+        result["scrapes"] = [(t - start, tiers) for t, tiers in scraper.samples]
         if a.plot:
             plot_soak(records, result["faults"], start, Path(a.plot),
                       f"soak: {a.duration} s, CPU + storage + Redis + Mooncake, {a.clients} clients, "
@@ -220,13 +221,17 @@ def print_soak(r: dict) -> None:
     print(f"\nsoak: {r['duration_s']} s, {r['requests']} requests, {r['failed_requests']} failed, "
           f"{r['wrong_outputs']} wrong of {r['probe_answers']} probe answers")
     print("| fault | s | requests (failed) | max chunk gap s: fault / after | max TTFT s | tier series during the "
-          "fault | after it (next 2 min) |")
-    print("|---|---:|---:|---:|---:|---|---|")
+          "fault | after it (next 2 min, or to the next fault) | server_up again after |")
+    print("|---|---:|---:|---:|---:|---|---|---:|")
     for f in r["fault_rows"]:
+        rec = f.get("recovered_after_s")
         print(f"| {f['fault']} | {f['window_s']:.0f} | {f['requests']} ({f['failed'] + f['after_failed']}) | "
               f"{f['max_gap_s']:.2f} / {f['after_max_gap_s']:.2f} | {f['max_ttft_s']:.2f} | {f['during']} | "
-              f"{f['after']} |")
-    print(f"| no fault | {r['quiet_s']:.0f} | | {r['quiet_max_gap_s']:.2f} | {r['quiet_max_ttft_s']:.2f} | | |")
+              f"{f['after']} | {'-' if rec is None or f['tier'] == 'storage' else f'{rec:.0f} s'} |")
+    print(f"| no fault | {r['quiet_s']:.0f} | | {r['quiet_max_gap_s']:.2f} | {r['quiet_max_ttft_s']:.2f} | | | |")
+    down = {t: f"{v:.0%}" for t, v in r.get("quiet_down_share", {}).items() if v is not None}
+    if down:
+        print(f"\nshare of the no-fault scrapes with server_up 0: {down}")
 
 
 if __name__ == "__main__":
