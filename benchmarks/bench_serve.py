@@ -49,7 +49,8 @@ import serve_clients as clients  # noqa: E402
 import serve_metrics as metrics  # noqa: E402
 from serve_report import print_table, ratios, write_plot  # noqa: E402
 from serve_server import ServeProcess, ServerOptions, parse_metrics  # noqa: E402
-from serve_stores import CONFIG_NAMES, OPTIONAL_CONFIGS, SHARED_WITH, Stores, describe, kv_config  # noqa: E402
+from serve_stores import (CONFIG_NAMES, OPTIONAL_CONFIGS, SHARED_WITH, STORE_THRESHOLD, Stores,  # noqa: E402
+                          describe, kv_config)  # noqa: E402
 
 DATASETS = ("shared-prefix", "no-reuse", "agentic")
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] if m['content'] is string "
@@ -93,9 +94,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--suffix-len", type=int, help="tokens per suffix (default 512; quick 128)")
     ap.add_argument("--num-prefixes", type=int, help="shared prefixes (default 16; quick 8)")
     ap.add_argument("--output-len", type=int, default=16, help="output tokens per request")
-    ap.add_argument("--random-prompts", type=int, help="no-reuse prompts (default 24; quick 8)")
+    ap.add_argument("--random-prompts", type=int, help="no-reuse prompts (default 64; quick 8)")
     ap.add_argument("--random-input-len", type=int, help="no-reuse prompt tokens (default 2048; quick 512)")
     ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--repeats", type=int, help="`vllm bench serve` runs per dataset and server, each with its own "
+                    "seed (own prompts), pooled (default 5; quick 2)")
     ap.add_argument("--check-prompts", type=int, default=None, help="prompts in the output check (default 6; quick 4)")
     ap.add_argument("--gpu-blocks", type=int, help="vLLM's own cache, in blocks (default 384; quick 96)")
     ap.add_argument("--max-model-len", type=int, help="default: fits the longest prompt (and --trace-max-context)")
@@ -113,14 +116,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--uniproc", action="store_true",
                     help="VLLM_ENABLE_V1_MULTIPROCESSING=0 for every server (default: vLLM's own process layout)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-paired", dest="paired", action="store_false",
+                    help="run the no-offload server once, first (default: kept up, its repeats interleaved with "
+                         "each configuration's)")
     ap.add_argument("--work-dir", help="logs and results (default: a new temp dir)")
     ap.add_argument("--out", help="results JSON (default: WORK_DIR/results.json)")
     ap.add_argument("--plot", default="docs/img/serve_bench.png")
     a = ap.parse_args(argv)
     q = a.quick
     defaults = dict(prompts=(24, 64), prefix_len=(512, 2048), suffix_len=(128, 512), num_prefixes=(8, 16),
-                    random_prompts=(8, 24), random_input_len=(512, 2048), check_prompts=(4, 6),
-                    gpu_blocks=(96, 384), trace_max_context=(11000, 12000), trace_duration=(60, 100))
+                    random_prompts=(8, 64), random_input_len=(512, 2048), check_prompts=(4, 6),
+                    gpu_blocks=(96, 384), trace_max_context=(11000, 12000), trace_duration=(60, 100),
+                    repeats=(2, 5))
     for key, (quick, full) in defaults.items():
         if getattr(a, key) is None:
             setattr(a, key, quick if q else full)
@@ -132,6 +139,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for d in a.datasets:
         if d not in DATASETS:
             ap.error(f"unknown dataset {d!r}; known: {', '.join(DATASETS)}")
+    for b, server_a in SHARED_WITH.items():  # server B is served what server A stored
+        if b in a.configs and server_a not in a.configs:
+            a.configs.append(server_a)
     if "none" not in a.configs:
         a.configs.insert(0, "none")  # the reference every ratio is against
     a.configs.sort(key=lambda c: (c != "none", c in SHARED_WITH))  # none first, B servers after their A
@@ -159,6 +169,8 @@ class Bench:
         self.check_pairs = clients.check_prompts(model, a.check_prompts, check_prefix, 64, a.seed + 1) \
             if "shared-prefix" in a.datasets and a.check_prompts else []
         self.reference_tokens: list | None = None
+        self.fresh_tokens: list | None = None
+        self.ref: ServeProcess | None = None  # the no-offload server, kept up with --paired
         self.results: dict[str, dict] = {}
 
     def server(self, name: str) -> ServeProcess:
@@ -176,50 +188,90 @@ class Bench:
         self.results[name] = res
         b_only = name in SHARED_WITH
         t = time.monotonic()
-        with self.server(name) as srv:
-            say(f"{name}: server up in {time.monotonic() - t:.0f} s ({res['describe']})")
-            if "shared-prefix" in a.datasets:
-                self.bench_phase(name, srv, self.prefix)
-                if self.check_pairs:
-                    self.check_phase(name, srv)
-            if "no-reuse" in a.datasets and not b_only:
-                self.bench_phase(name, srv, self.random)
-            if "agentic" in a.datasets and name in a.trace_configs:
-                out, m = self.phase(srv, lambda: clients.trace_replay(
-                    srv.base_url, self.model, self.work / f"trace-{srv.name}", a.trace_dir, a.trace_max_context,
-                    a.trace_duration, a.trace_users, self.work / f"client-{srv.name}.log", Path(a.trace_tester)))
-                res["phases"]["agentic"] = {**out, "metrics": m}
-                say(f"{name}: agentic: {_line(out, m)}")
+        srv = self.server(name).start()
+        say(f"{name}: server up in {time.monotonic() - t:.0f} s ({res['describe']})")
+        if name == "none" and a.paired:
+            self.ref = srv
+        try:
+            self._run_phases(name, srv, b_only)
+        finally:
+            if srv is not self.ref:
+                srv.stop()
+
+    def _run_phases(self, name: str, srv: ServeProcess, b_only: bool) -> None:
+        a, res = self.a, self.results[name]
+        if "shared-prefix" in a.datasets:
+            self.bench_phase(name, srv, self.prefix)
+            if self.check_pairs:
+                self.check_phase(name, srv)
+        if "no-reuse" in a.datasets and not b_only:
+            self.bench_phase(name, srv, self.random)
+        if "agentic" in a.datasets and name in a.trace_configs:
+            out, m = self.phase(srv, lambda: clients.trace_replay(
+                srv.base_url, self.model, self.work / f"trace-{srv.name}", a.trace_dir, a.trace_max_context,
+                a.trace_duration, a.trace_users, self.work / f"client-{srv.name}.log", Path(a.trace_tester)))
+            res["phases"]["agentic"] = {**out, "metrics": m}
+            say(f"{name}: agentic: {_line(out, m)}")
 
     def bench_phase(self, name: str, srv: ServeProcess, ds: clients.Dataset) -> None:
-        out, m = self.phase(srv, lambda: clients.bench_serve(
-            srv.base_url, self.model, ds, self.work / "results", f"{srv.name}-{ds.name}", self.a.seed,
-            self.work / f"client-{srv.name}.log"))
+        """The dataset --repeats times, each with its own seed; with the no-offload
+        server kept up (--paired), each repeat right after the same seed on it,
+        so a drift in the machine's speed hits both sides of the ratio alike."""
+        runs, refs = [], []
+        results = self.work / "results"
+
+        def run() -> None:
+            for r in range(self.a.repeats):
+                seed = self.a.seed + 1000 * r
+                if self.ref is not None and self.ref is not srv:
+                    refs.append(clients.bench_once(self.ref.base_url, self.model, ds, results,
+                                                   f"none-for-{srv.name}-{ds.name}-s{seed}", seed,
+                                                   self.work / "client-none.log"))
+                runs.append(clients.bench_once(srv.base_url, self.model, ds, results, f"{srv.name}-{ds.name}-s{seed}",
+                                               seed, self.work / f"client-{srv.name}.log"))
+
+        _, m = self.phase(srv, run)
+        out = clients.pool(runs)
+        if refs:
+            out["reference"] = clients.pool(refs)
         self.results[name]["phases"][ds.name] = {**out, "metrics": m}
-        say(f"{name}: {ds.name}: {_line(out, m)}")
+        paired = f" | paired none: {out['reference']['request_throughput']:.3f} req/s" if refs else ""
+        say(f"{name}: {ds.name}: {_line(out, m)}{paired}")
 
     def check_phase(self, name: str, srv: ServeProcess) -> None:
+        """Greedy tokens of the check prompts with their prefixes cached. On the
+        no-offload server also with nothing cached (computed afresh): an answer
+        equal to that one is a recomputation (the connector missed), not wrong;
+        an answer equal to neither is a mismatch."""
+        probes = [p for _, p in self.check_pairs]
+        if name == "none":
+            clients.reset_gpu_cache(srv.base_url)
+            self.fresh_tokens = clients.greedy_tokens(srv.base_url, self.model, probes, self.a.output_len)
         # a B server's prefixes are in the store server A filled (A warmed them up in its own check)
         tokens, m = self.phase(srv, lambda: clients.output_check(
-            srv.base_url, self.model, self.check_pairs, self.a.output_len, warm=name not in SHARED_WITH,
-            reset=name != "none"))
-        failed = sum(t is None for t in tokens)
+            srv.base_url, self.model, self.check_pairs, self.a.output_len,
+            warm=0 if name in SHARED_WITH else STORE_THRESHOLD.get(name, 1), reset=name != "none"))
         if name == "none":
             self.reference_tokens = tokens
-            mismatches = 0
-        else:
-            ref = self.reference_tokens or [None] * len(tokens)
-            mismatches = sum(1 for t, r in zip(tokens, ref) if t is None or r is None or t != r)
+        ref = self.reference_tokens or [None] * len(tokens)
+        fresh = self.fresh_tokens or [None] * len(tokens)
+        failed = sum(t is None for t in tokens)
+        recomputed = sum(1 for t, r, f in zip(tokens, ref, fresh) if t is not None and t != r and t == f)
+        mismatches = sum(1 for t, r, f in zip(tokens, ref, fresh) if t is None or r is None or t not in (r, f))
         self.results[name]["check"] = {"prompts": len(tokens), "failed": failed, "mismatches": mismatches,
-                                       "offload_hit_tokens": m["offload_hit_tokens"],
+                                       "recomputed": recomputed, "offload_hit_tokens": m["offload_hit_tokens"],
                                        "vllm_cache_hit_tokens": m["vllm_cache_hit_tokens"]}
-        say(f"{name}: output check: {len(tokens)} prompts, {mismatches} mismatches vs none, {failed} failed, "
-            f"{m['offload_hit_tokens']:.0f} tokens served by the connector")
+        say(f"{name}: output check: {len(tokens)} prompts, {mismatches} mismatches vs none, {recomputed} equal to "
+            f"a recomputation (not served), {failed} failed, {m['offload_hit_tokens']:.0f} tokens served by the "
+            f"connector")
 
 
 def _line(out: dict, m: dict) -> str:
     return (f"TTFT p50 {out['p50_ttft_ms']:.0f} ms p90 {out['p90_ttft_ms']:.0f} p99 {out['p99_ttft_ms']:.0f}, "
-            f"{out['request_throughput']:.3f} req/s, {out['completed']} ok {out['failed']} failed; "
+            f"{out['request_throughput']:.3f} req/s"
+            + (f" (repeats {min(out['repeat_throughputs']):.2f}-{max(out['repeat_throughputs']):.2f})"
+               if out.get("repeat_throughputs") else "")
+            + f", {out['completed']} ok {out['failed']} failed; "
             f"connector served {m['offload_hit_tokens']:.0f} tokens, loaded {m['loaded_bytes'] / 2**20:.0f} MiB, "
             f"stored {m['stored_bytes'] / 2**20:.0f} MiB; {metrics.tier_hits_line(m)}")
 
@@ -241,6 +293,10 @@ def main(argv=None) -> int:
     say(f"work dir {work}; configurations {', '.join(a.configs)}; datasets {', '.join(a.datasets)}"
         f"{' (--quick)' if a.quick else ''}")
     model = a.model or build_demo_model(work / "demo-model", max(8192, a.max_model_len))
+    room = json.loads((Path(model) / "config.json").read_text()).get("max_position_embeddings")
+    if room and room < a.max_model_len:
+        sys.exit(f"bench_serve: {model} holds {room} positions, the run needs --max-model-len {a.max_model_len} "
+                 "(lower --trace-max-context, or leave out agentic)")
     if a.tier_cpu_bytes is None:  # half the shared prefixes' KV
         a.tier_cpu_bytes = f"{max(8, a.num_prefixes * a.prefix_len * kv_bytes_per_token(model) // 2 // 2**20)}MiB"
     say(f"model {model} ({kv_bytes_per_token(model)} KV bytes per token)")
@@ -257,6 +313,8 @@ def main(argv=None) -> int:
                     traceback.print_exc(file=f)
                 bench.results.setdefault(name, {})["error"] = str(e)[:2000] or type(e).__name__
     finally:
+        if bench.ref is not None:
+            bench.ref.stop()
         stores.close()
     report = {"machine": machine(), "quick": a.quick, "argv": sys.argv[1:], "args": {
         k: v for k, v in vars(a).items() if k not in ("configs", "datasets", "trace_configs")},

@@ -54,15 +54,32 @@ def bench_args(ds: Dataset, model: str, seed: int) -> list[str]:
             "--num-prompts", str(ds.num_prompts), "--seed", str(seed)]
 
 
-def bench_serve(base_url: str, model: str, ds: Dataset, result_dir: Path, tag: str, seed: int,
-                log_path: Path) -> dict:
-    """One `vllm bench serve` run; its saved result (TTFT percentiles, throughput, failed)."""
+def pool(runs: list[dict]) -> dict:
+    """`vllm bench serve` results of one workload (each seed its own prompts),
+    pooled: TTFT percentiles over every request, throughput = requests / summed
+    durations, and each repeat's throughput."""
+    ttfts = sorted(t * 1000 for r in runs for t, err in zip(r["ttfts"], r["errors"]) if not err)
+
+    def pct(q: float) -> float:
+        return ttfts[min(len(ttfts) - 1, round(q * (len(ttfts) - 1)))] if ttfts else float("nan")
+
+    completed, duration = sum(r["completed"] for r in runs), sum(r["duration"] for r in runs)
+    return {"p50_ttft_ms": pct(0.5), "p90_ttft_ms": pct(0.9), "p99_ttft_ms": pct(0.99),
+            "request_throughput": completed / duration, "completed": completed,
+            "failed": sum(r["failed"] for r in runs), "duration_s": duration,
+            "repeat_throughputs": [r["request_throughput"] for r in runs]}
+
+
+def bench_once(base_url: str, model: str, ds: Dataset, result_dir: Path, tag: str, seed: int,
+               log_path: Path) -> dict:
+    """One `vllm bench serve` run (--save-detailed: per-request TTFTs)."""
     result_dir.mkdir(parents=True, exist_ok=True)
     fname = f"{tag}.json"
     cmd = vllm_cli() + ["bench", "serve", "--base-url", base_url, *bench_args(ds, model, seed),
                         "--max-concurrency", str(ds.concurrency), "--temperature", "0", "--ignore-eos",
                         "--percentile-metrics", "ttft,tpot,e2el", "--metric-percentiles", "50,90,99",
-                        "--save-result", "--result-dir", str(result_dir), "--result-filename", fname]
+                        "--save-result", "--save-detailed", "--result-dir", str(result_dir),
+                        "--result-filename", fname]
     with open(log_path, "ab") as log:
         log.write(f"\n$ {' '.join(cmd)}\n".encode())
         log.flush()
@@ -70,11 +87,7 @@ def bench_serve(base_url: str, model: str, ds: Dataset, result_dir: Path, tag: s
     path = result_dir / fname
     if rc != 0 or not path.exists():
         raise RuntimeError(f"vllm bench serve ({tag}) exited with {rc}; see {log_path}")
-    r = json.loads(path.read_text())
-    return {"p50_ttft_ms": r["p50_ttft_ms"], "p90_ttft_ms": r["p90_ttft_ms"], "p99_ttft_ms": r["p99_ttft_ms"],
-            "median_ttft_ms": r["median_ttft_ms"], "request_throughput": r["request_throughput"],
-            "output_throughput": r["output_throughput"], "completed": r["completed"], "failed": r["failed"],
-            "duration_s": r["duration"]}
+    return json.loads(path.read_text())
 
 
 def check_prompts(model: str, count: int, prefix_len: int, suffix_len: int, seed: int
@@ -131,13 +144,17 @@ def reset_gpu_cache(base_url: str, timeout_s: float = 120.0) -> None:
 
 
 def output_check(base_url: str, model: str, pairs: list[tuple[list[int], list[int]]], max_tokens: int,
-                 warm: bool, reset: bool) -> list[list[int] | None]:
+                 warm: int, reset: bool) -> list[list[int] | None]:
     """The probes' greedy tokens, each served with its prefix cached: warm-ups
     first (unless the prefixes are already in a shared store), then, with
     `reset`, vLLM's own cache emptied so the prefix can only come from the
     connector. Without reset (no offloading) vLLM's own cache serves it: the
-    same prefix length cached, so the same computation, on every server."""
-    if warm:
+    same prefix length cached, so the same computation, on every server.
+    `warm` rounds of warm-ups (a store_threshold of N stores a block on its
+    Nth offer), vLLM's cache emptied between them so each round computes."""
+    for i in range(warm):
+        if i and reset:
+            reset_gpu_cache(base_url)
         greedy_tokens(base_url, model, [w for w, _ in pairs], 1)
     if reset:
         reset_gpu_cache(base_url)
@@ -146,9 +163,11 @@ def output_check(base_url: str, model: str, pairs: list[tuple[list[int], list[in
 
 def trace_replay(base_url: str, model: str, out_dir: Path, trace_dir: str, max_context: int, duration_s: int,
                  max_users: int, log_path: Path, tester: Path = TRACE_TESTER) -> dict:
-    """kv-cache-tester's replay of agentic conversations (multi-turn, shared
-    warm prefix), bounded by --max-context and --test-duration; its per-request
-    CSV summarised here."""
+    """kv-cache-tester's replay of agentic conversations (multi-turn, a warm
+    prefix shared across users), bounded by --max-context and --test-duration;
+    --recycle starts a new user on a trace when one stops (the conversations
+    outgrow --max-context after a turn or two here). Its per-request CSV
+    summarised here."""
     if not Path(tester).exists():
         raise RuntimeError(f"kv-cache-tester not found at {tester} (--trace-tester)")
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -156,7 +175,7 @@ def trace_replay(base_url: str, model: str, out_dir: Path, trace_dir: str, max_c
            "--output-dir", str(out_dir), "--max-context", str(max_context), "--tokenizer", model,
            "--test-duration", str(duration_s), "--start-users", str(max_users), "--max-users", str(max_users),
            "--max-ttft", "1000", "--seed", "1", "--temperature", "0", "--skip-graphs", "--no-color",
-           "--chunk-size", "32"]
+           "--chunk-size", "32", "--recycle"]
     t0 = time.monotonic()
     with open(log_path, "ab") as log:
         log.write(f"\n$ {' '.join(cmd)}\n".encode())

@@ -19,7 +19,7 @@ def ratios(results: dict) -> dict:
         if name == "none":
             continue
         for phase, p in r.get("phases", {}).items():
-            base = ref.get(phase)
+            base = p.get("reference") or ref.get(phase)  # the paired no-offload runs, where there are
             if not base:
                 continue
             out.setdefault(name, {})[phase] = {k: (p[k] / base[k] if base.get(k) else None) for k in KEYS}
@@ -28,6 +28,11 @@ def ratios(results: dict) -> dict:
 
 def _fmt(x, digits=2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
+
+
+def _spread(p: dict) -> str:
+    reps = p.get("repeat_throughputs") or []
+    return f" ({min(reps):.2f}-{max(reps):.2f})" if len(reps) > 1 else ""
 
 
 def _meets(phase: str, key: str, value) -> str:
@@ -41,7 +46,7 @@ def _meets(phase: str, key: str, value) -> str:
 
 def table_lines(report: dict) -> list[str]:
     res, rat = report["results"], report["ratios"]
-    lines = ["| configuration | dataset | TTFT p50 ms | p90 | p99 | req/s | failed | p50 ratio | p90 ratio | "
+    lines = ["| configuration | dataset | TTFT p50 ms | p90 | p99 | req/s (repeats) | failed | p50 ratio | p90 ratio | "
              "p99 ratio | req/s ratio | connector hit tokens | loaded MiB | tier hits | check mismatches |",
              "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for name in report["configs"]:
@@ -56,7 +61,7 @@ def table_lines(report: dict) -> list[str]:
             check = r.get("check", {}).get("mismatches") if phase == "shared-prefix" else None
             lines.append(
                 f"| {name} | {phase} | {p['p50_ttft_ms']:.0f} | {p['p90_ttft_ms']:.0f} | {p['p99_ttft_ms']:.0f} | "
-                f"{p['request_throughput']:.3f} | {p['failed']} | "
+                f"{p['request_throughput']:.2f}{_spread(p)} | {p['failed']} | "
                 f"{_fmt(q.get('p50_ttft_ms'))}{_meets(phase, 'p50_ttft_ms', q.get('p50_ttft_ms'))} | "
                 f"{_fmt(q.get('p90_ttft_ms'))} | {_fmt(q.get('p99_ttft_ms'))} | "
                 f"{_fmt(q.get('request_throughput'))}{_meets(phase, 'request_throughput', q.get('request_throughput'))}"

@@ -17,6 +17,7 @@ CONFIG_NAMES = ("none", "cpu", "cpu-lru", "cpu+storage", "cpu+redis", "cpu+moonc
                 "shared-redis", "shared-mooncake")
 # run only when named: the CPU tier with vLLM's store_threshold 2 (a chunk stored on its second offer)
 OPTIONAL_CONFIGS = ("cpu-t2",)
+STORE_THRESHOLD = {"cpu-t2": 2}  # offers a block needs before it is stored (else 1)
 # the two-server configurations: server A is the named single-server one
 SHARED_WITH = {"shared-redis": "cpu+redis", "shared-mooncake": "cpu+mooncake"}
 
@@ -76,7 +77,8 @@ def kv_config(name: str, stores: Stores, cpu_bytes: str, tier_cpu_bytes: str) ->
     if name == "cpu":
         return connector({"kvoffload_spec": "cpu", "cpu_bytes_to_use": cpu_bytes})
     if name == "cpu-t2":
-        return connector({"kvoffload_spec": "cpu", "cpu_bytes_to_use": cpu_bytes, "store_threshold": 2})
+        return connector({"kvoffload_spec": "cpu", "cpu_bytes_to_use": cpu_bytes,
+                          "store_threshold": STORE_THRESHOLD[name]})
     if name == "cpu-lru":
         return connector({"kvoffload_spec": "cpu", "cpu_bytes_to_use": cpu_bytes, "eviction_policy": "lru"})
     tiered = {"kvoffload_spec": "tiered", "cpu_bytes_to_use": tier_cpu_bytes}
