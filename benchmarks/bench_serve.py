@@ -98,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--random-input-len", type=int, help="no-reuse prompt tokens (default 2048; quick 512)")
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--repeats", type=int, help="`vllm bench serve` runs per dataset and server, each with its own "
-                    "seed (own prompts), pooled (default 5; quick 2)")
+                    "seed (own prompts), pooled (default 3; quick 2)")
     ap.add_argument("--check-prompts", type=int, default=None, help="prompts in the output check (default 6; quick 4)")
     ap.add_argument("--gpu-blocks", type=int, help="vLLM's own cache, in blocks (default 384; quick 96)")
     ap.add_argument("--max-model-len", type=int, help="default: fits the longest prompt (and --trace-max-context)")
@@ -127,7 +127,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     defaults = dict(prompts=(24, 64), prefix_len=(512, 2048), suffix_len=(128, 512), num_prefixes=(8, 16),
                     random_prompts=(8, 64), random_input_len=(512, 2048), check_prompts=(4, 6),
                     gpu_blocks=(96, 384), trace_max_context=(11000, 12000), trace_duration=(60, 100),
-                    repeats=(2, 5))
+                    repeats=(2, 3))
     for key, (quick, full) in defaults.items():
         if getattr(a, key) is None:
             setattr(a, key, quick if q else full)
@@ -168,8 +168,8 @@ class Bench:
         check_prefix = min(a.prefix_len, 1024) // 32 * 32  # a whole number of blocks, cheap to prefill
         self.check_pairs = clients.check_prompts(model, a.check_prompts, check_prefix, 64, a.seed + 1) \
             if "shared-prefix" in a.datasets and a.check_prompts else []
-        self.reference_tokens: list | None = None
-        self.fresh_tokens: list | None = None
+        self.reference_tokens: dict[str, list] = {}  # probe set -> the no-offload server's answers
+        self.fresh_tokens: dict[str, list] = {}
         self.ref: ServeProcess | None = None  # the no-offload server, kept up with --paired
         self.results: dict[str, dict] = {}
 
@@ -239,22 +239,31 @@ class Bench:
         say(f"{name}: {ds.name}: {_line(out, m)}{paired}")
 
     def check_phase(self, name: str, srv: ServeProcess) -> None:
-        """Greedy tokens of the check prompts with their prefixes cached. On the
-        no-offload server also with nothing cached (computed afresh): an answer
-        equal to that one is a recomputation (the connector missed), not wrong;
-        an answer equal to neither is a mismatch."""
-        probes = [p for _, p in self.check_pairs]
+        """Greedy tokens of the check prompts with their prefixes cached (B servers:
+        the other probes, so the cached length is the prefix's, not A's probe).
+        The no-offload server answers both probe sets with the prefix cached by
+        vLLM and with nothing cached (computed afresh): an answer equal to the
+        latter is a recomputation (the connector missed), not wrong; an answer
+        equal to neither is a mismatch."""
+        warms = [w for w, _, _ in self.check_pairs]
+        probe_sets = {"a": [p for _, p, _ in self.check_pairs], "b": [q for _, _, q in self.check_pairs]}
         if name == "none":
+            for k, probes in probe_sets.items():
+                clients.reset_gpu_cache(srv.base_url)
+                self.fresh_tokens[k] = clients.greedy_tokens(srv.base_url, self.model, probes, self.a.output_len)
             clients.reset_gpu_cache(srv.base_url)
-            self.fresh_tokens = clients.greedy_tokens(srv.base_url, self.model, probes, self.a.output_len)
+            self.reference_tokens["b"] = []  # filled below, after the warm-up, with the prefixes still cached
+        which = "b" if name in SHARED_WITH else "a"
         # a B server's prefixes are in the store server A filled (A warmed them up in its own check)
         tokens, m = self.phase(srv, lambda: clients.output_check(
-            srv.base_url, self.model, self.check_pairs, self.a.output_len,
+            srv.base_url, self.model, warms, probe_sets[which], self.a.output_len,
             warm=0 if name in SHARED_WITH else STORE_THRESHOLD.get(name, 1), reset=name != "none"))
         if name == "none":
-            self.reference_tokens = tokens
-        ref = self.reference_tokens or [None] * len(tokens)
-        fresh = self.fresh_tokens or [None] * len(tokens)
+            self.reference_tokens["a"] = tokens
+            self.reference_tokens["b"] = clients.greedy_tokens(srv.base_url, self.model, probe_sets["b"],
+                                                               self.a.output_len)
+        ref = self.reference_tokens.get(which) or [None] * len(tokens)
+        fresh = self.fresh_tokens.get(which) or [None] * len(tokens)
         failed = sum(t is None for t in tokens)
         recomputed = sum(1 for t, r, f in zip(tokens, ref, fresh) if t is not None and t != r and t == f)
         mismatches = sum(1 for t, r, f in zip(tokens, ref, fresh) if t is None or r is None or t not in (r, f))

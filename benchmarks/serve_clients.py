@@ -91,10 +91,11 @@ def bench_once(base_url: str, model: str, ds: Dataset, result_dir: Path, tag: st
 
 
 def check_prompts(model: str, count: int, prefix_len: int, suffix_len: int, seed: int
-                  ) -> list[tuple[list[int], list[int]]]:
-    """`count` (warm, probe) pairs of token-id prompts: both share a prefix of
-    prefix_len tokens (a multiple of the block size) and differ from the first
-    suffix token on, so a probe served after its warm-up hits exactly the prefix."""
+                  ) -> list[tuple[list[int], list[int], list[int]]]:
+    """`count` (warm, probe, other probe) token-id prompts sharing a prefix of
+    prefix_len tokens (a multiple of the block size) and differing from the
+    first suffix token on, so a probe served after its warm-up (or after the
+    other probe) hits exactly the prefix."""
     import random
 
     vocab = json.loads((Path(model) / "config.json").read_text()).get("vocab_size", 4096)
@@ -103,12 +104,12 @@ def check_prompts(model: str, count: int, prefix_len: int, suffix_len: int, seed
     def ids(n: int) -> list[int]:
         return [rng.randrange(16, vocab - 16) for _ in range(n)]
 
-    pairs = []
+    out = []
     for _ in range(count):
-        prefix, warm, probe = ids(prefix_len), ids(suffix_len), ids(suffix_len)
-        probe[0] = warm[0] + 1  # (below vocab: ids stop 16 short of it)
-        pairs.append((prefix + warm, prefix + probe))
-    return pairs
+        prefix, warm, probe, other = ids(prefix_len), ids(suffix_len), ids(suffix_len), ids(suffix_len)
+        probe[0], other[0] = warm[0] + 1, warm[0] + 2  # (below vocab: ids stop 16 short of it)
+        out.append((prefix + warm, prefix + probe, prefix + other))
+    return out
 
 
 def _post(base_url: str, path: str, body: dict | None, timeout: float = 600) -> dict:
@@ -143,7 +144,7 @@ def reset_gpu_cache(base_url: str, timeout_s: float = 120.0) -> None:
         time.sleep(0.5)
 
 
-def output_check(base_url: str, model: str, pairs: list[tuple[list[int], list[int]]], max_tokens: int,
+def output_check(base_url: str, model: str, warms: list[list[int]], probes: list[list[int]], max_tokens: int,
                  warm: int, reset: bool) -> list[list[int] | None]:
     """The probes' greedy tokens, each served with its prefix cached: warm-ups
     first (unless the prefixes are already in a shared store), then, with
@@ -155,10 +156,10 @@ def output_check(base_url: str, model: str, pairs: list[tuple[list[int], list[in
     for i in range(warm):
         if i and reset:
             reset_gpu_cache(base_url)
-        greedy_tokens(base_url, model, [w for w, _ in pairs], 1)
+        greedy_tokens(base_url, model, warms, 1)
     if reset:
         reset_gpu_cache(base_url)
-    return greedy_tokens(base_url, model, [p for _, p in pairs], max_tokens)
+    return greedy_tokens(base_url, model, probes, max_tokens)
 
 
 def trace_replay(base_url: str, model: str, out_dir: Path, trace_dir: str, max_context: int, duration_s: int,

@@ -124,7 +124,7 @@ def main(argv=None) -> int:
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     max_len = a.prefix_len + a.suffix_len + a.output_len + 64
     opts = ServerOptions(model=model, gpu_blocks=a.gpu_blocks, max_model_len=max_len, omp_bind=a.omp_bind)
-    probes = [p for _, p in clients.check_prompts(model, a.probes, 512, 64, seed=7)]
+    probes = [p for _, p, _ in clients.check_prompts(model, a.probes, 512, 64, seed=7)]
     say(f"work dir {work}; {a.duration} s of load, {a.clients} clients; references for {len(probes)} probes")
     with ServeProcess("soak-reference", opts, None, work) as ref_srv:
         refs = references(ref_srv, model, probes, a.output_len)
