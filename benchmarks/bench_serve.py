@@ -8,20 +8,20 @@ wrote, every configuration against no offloading measured in the same run.
 
 Per configuration one server (`kvoffload vllm serve`, same core binding and
 process layout for all), then:
-  1. shared-prefix: `vllm bench serve` on vLLM's prefix_repetition dataset
+  1. no-reuse: `vllm bench serve` on vLLM's random dataset (nothing shared);
+  2. shared-prefix: `vllm bench serve` on vLLM's prefix_repetition dataset
      (num_prefixes shared prefixes, each with its own suffixes, shuffled);
-  2. output check: --check-prompts prompts with a prefix of their own, one at a
+  3. output check: --check-prompts prompts with a prefix of their own, one at a
      time at temperature 0, after a warm-up of each prefix and (offloading
      configurations) a reset of vLLM's own cache, so the prefix is served by
      the connector: their output token ids must equal the no-offload server's,
      where vLLM's own cache serves the same prefix (a prefix computed afresh
      gives other greedy tokens on CPU: not a fair reference);
-  3. no-reuse: `vllm bench serve` on vLLM's random dataset (nothing shared);
   4. agentic: kv-cache-tester's trace_replay_tester.py on the agentic traces
      (multi-turn conversations; vLLM 0.32's `bench serve` has no multi-turn
      dataset), only for --trace-configs, its contexts capped by --trace-max-context.
 shared-redis / shared-mooncake: after server A (cpu+redis / cpu+mooncake) ran
-phase 1, a fresh server B over the same store runs the same prompts: its
+phase 2, a fresh server B over the same store runs the same prompts: its
 TTFT, and its hits from /metrics, are what A computed.
 
 Each phase reports TTFT p50/p90/p99, requests/s and failed requests, and the
@@ -200,12 +200,13 @@ class Bench:
 
     def _run_phases(self, name: str, srv: ServeProcess, b_only: bool) -> None:
         a, res = self.a, self.results[name]
+        # no-reuse first: its blocks must not push server A's shared prefixes out of the store before B reads them
+        if "no-reuse" in a.datasets and not b_only:
+            self.bench_phase(name, srv, self.random)
         if "shared-prefix" in a.datasets:
             self.bench_phase(name, srv, self.prefix)
             if self.check_pairs:
                 self.check_phase(name, srv)
-        if "no-reuse" in a.datasets and not b_only:
-            self.bench_phase(name, srv, self.random)
         if "agentic" in a.datasets and name in a.trace_configs:
             out, m = self.phase(srv, lambda: clients.trace_replay(
                 srv.base_url, self.model, self.work / f"trace-{srv.name}", a.trace_dir, a.trace_max_context,

@@ -31,7 +31,7 @@ def connector(extra: dict) -> dict:
 class Stores:
     """Redis / Mooncake / a storage directory, each started on first use."""
 
-    def __init__(self, work_dir: Path, redis_bytes: str = "2gb", mooncake_bytes: int = 1 << 30,
+    def __init__(self, work_dir: Path, redis_bytes: str = "3gb", mooncake_bytes: int = 2 << 30,
                  storage_bytes: str = "4GiB", storage_dir: str | None = None):
         self.work_dir = Path(work_dir)
         self.redis_bytes, self.mooncake_bytes, self.storage_bytes = redis_bytes, mooncake_bytes, storage_bytes
