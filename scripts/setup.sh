@@ -24,6 +24,9 @@ PY=${PYTHON:-python3}
 # orjson and IPython (the pip extra `sglang`). pip then warns that sglang's own pins are unmet: expected.
 .venv/bin/pip install -q --no-deps "sglang==0.5.23"
 .venv/bin/pip install -q "orjson>=3" "ipython>=8"
+# benchmarks/bench_serve.py drives servers with kv-cache-tester's trace replayer (../shared/clients),
+# which imports pandas and plotly.
+.venv/bin/pip install -q "pandas>=2" "plotly>=5.14"
 # Remote-tier tests and benchmarks start a real redis-server (and redis-benchmark) on loopback;
 # the Mooncake client (pip extra mooncake, in dev) needs libibverbs and libnl even over TCP.
 need=()
