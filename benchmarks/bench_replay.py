@@ -14,7 +14,7 @@ LRU simulator over the same trace (pure dict bookkeeping, no copies):
 With --storage SHARE (e.g. 25%): CPU tier plus a storage tier of that share
 of the unique blocks, in engine time (the `kvoffload replay` default for
 tiered runs: vLLM's order, 8192 tokens a step, llama-8b-h100 rates, storage
-at 2 GB/s), against the reference of issue 40: the offline LRU of one cache
+at 2 GB/s), against the reference: the offline LRU of one cache
 as large as both tiers together (ratio), and the CPU tier alone at the same
 engine settings (gain from storage).
 
