@@ -46,7 +46,7 @@ import sys
 from pathlib import Path
 
 from kvoffload.config import parse_bytes
-from kvoffload.tiers.remote.server import LocalServer, find_benchmark_binary
+from kvoffload.tiers.redis.server import LocalServer, find_benchmark_binary
 from shared_traces import shared_trace_path
 from mooncake_bandwidth import mooncake_bandwidth, print_mooncake
 from remote_bandwidth import bandwidth, plot, print_bandwidth

@@ -32,7 +32,7 @@ from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig  # noqa: E
 from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  # noqa: E402
 
 from kvoffload.integrations.sglang.pages import key_bytes  # noqa: E402
-from kvoffload.tiers.remote.server import LocalServer  # noqa: E402
+from kvoffload.tiers.redis.server import LocalServer  # noqa: E402
 
 PAGE = 64  # tokens
 

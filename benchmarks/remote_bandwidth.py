@@ -14,8 +14,8 @@ import redis
 
 from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.host_pool import HostPool
-from kvoffload.tiers.remote import RemoteTier
-from kvoffload.tiers.remote.server import LocalServer, find_benchmark_binary
+from kvoffload.tiers.redis import RemoteTier
+from kvoffload.tiers.redis.server import LocalServer, find_benchmark_binary
 from mooncake_bandwidth import ours as time_jobs  # one worker, jobs submitted at once
 
 

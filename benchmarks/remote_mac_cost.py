@@ -13,7 +13,7 @@ import numpy as np
 import redis
 
 from kvoffload.tiers.host_pool import HostPool
-from kvoffload.tiers.remote.server import LocalServer
+from kvoffload.tiers.redis.server import LocalServer
 from remote_bandwidth import ours
 
 

@@ -41,7 +41,7 @@ class Stores:
 
     def redis_url(self) -> str:
         if self.redis is None:
-            from kvoffload.tiers.remote.server import LocalServer
+            from kvoffload.tiers.redis.server import LocalServer
 
             self.redis = LocalServer(maxmemory=self.redis_bytes).start()
         return self.redis.url

@@ -15,7 +15,7 @@ from kvoffload.tiers.base import Namespace, SecondaryTier, TierWorker
 # type name -> a SecondaryTier with a classmethod from_config(conf: dict, ctx: TierContext)
 TIER_TYPES = Registry(SecondaryTier, "secondary tier type", "types", {
     "storage": "kvoffload.tiers.storage.tier:StorageTier",
-    "redis": "kvoffload.tiers.remote.tier:RemoteTier",
+    "redis": "kvoffload.tiers.redis.tier:RemoteTier",
     "mooncake": "kvoffload.tiers.mooncake.tier:MooncakeTier",
 })
 register_tier_type = TIER_TYPES.register

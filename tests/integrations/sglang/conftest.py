@@ -23,7 +23,7 @@ def _unavailable(msg: str):
 
 @pytest.fixture(scope="module")
 def redis_server():
-    from kvoffload.tiers.remote.server import LocalServer, find_server_binary
+    from kvoffload.tiers.redis.server import LocalServer, find_server_binary
 
     if find_server_binary() is None:
         _unavailable("no redis-server binary (run scripts/setup.sh)")

@@ -111,7 +111,7 @@ def test_vllm_blocks_never_served_to_sglang(request, tmp_path, prefix):
     """A vLLM engine's chunk under the very same key bytes and size, on the same server, is not an SGLang page."""
     from kvoffload.tiers.base import Namespace
     from kvoffload.tiers.host_pool import HostPool
-    from kvoffload.tiers.remote import RemoteTier
+    from kvoffload.tiers.redis import RemoteTier
 
     section = tier_section("redis", request, tmp_path, prefix)
     sgl, _ = make_backend(section)

@@ -101,7 +101,7 @@ def test_corrupt_slab_is_a_miss_storage(tmp_path):
 
 
 def test_unreachable_server_is_misses_not_a_hang(tmp_path):
-    from kvoffload.tiers.remote.server import free_port
+    from kvoffload.tiers.remote.process import free_port
 
     section = {"type": "redis", "url": f"redis://127.0.0.1:{free_port()}/0", "connect_timeout_s": 0.2,
                "socket_timeout_s": 0.2, "lookup_deadline_s": 0.3}
@@ -158,7 +158,7 @@ def test_a_paused_store_node_is_misses_within_the_transfer_timeout(prefix):
     import time
 
     from kvoffload.tiers.mooncake.server import LocalMooncake, find_binary
-    from kvoffload.tiers.remote.server import pause, resume
+    from kvoffload.tiers.remote.process import pause, resume
 
     if find_binary("mooncake_master") is None:
         pytest.skip("no mooncake_master binary")

@@ -10,7 +10,7 @@ from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.mooncake import MooncakeTier
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "remote"))
+sys.path.insert(0, str(Path(__file__).parent.parent / "redis"))
 from remote_helpers import CTX, STEP, expected, fill, keys_for, load, lookup, store, total, wait_until  # noqa: E402
 
 __all__ = ["CTX", "STEP", "expected", "fill", "keys_for", "load", "lookup", "store", "total", "wait_until",

@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvoffload.tiers.remote.server import pause, resume
+from kvoffload.tiers.remote.process import pause, resume
 
 from mooncake_engine_proc import _Srv
 from mooncake_helpers import fill, keys_for, load, make_tier, store

@@ -14,7 +14,7 @@ from kvoffload.cli import main
 from kvoffload.config import ConfigError
 from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.mooncake import MooncakeConfig, MooncakeTier
-from kvoffload.tiers.remote.server import free_port, pause, resume
+from kvoffload.tiers.remote.process import free_port, pause, resume
 from mooncake_helpers import CTX, fill, keys_for, load, lookup, make_tier, store, wait_until
 from mooncake_stuck_proc import run_stuck_shutdown
 

@@ -63,7 +63,7 @@ def test_same_path_twice_is_named(tmp_path):
 
 @pytest.mark.redis
 def test_redis_tier_with_a_bad_password_releases_storage(tmp_path):
-    from kvoffload.tiers.remote.server import LocalServer, find_server_binary
+    from kvoffload.tiers.redis.server import LocalServer, find_server_binary
 
     if find_server_binary() is None:
         if os.environ.get("CI"):

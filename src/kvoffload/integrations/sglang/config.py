@@ -22,7 +22,7 @@ from kvoffload.tiers.base import Namespace, SecondaryTier
 
 TIER_CLASSES = {
     "storage": "kvoffload.tiers.storage.tier:StorageTier",
-    "redis": "kvoffload.tiers.remote.tier:RemoteTier",
+    "redis": "kvoffload.tiers.redis.tier:RemoteTier",
     "mooncake": "kvoffload.tiers.mooncake.tier:MooncakeTier",
 }
 SECTION = "kvoffload"

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvoffload.tiers.remote.server import free_port, pause, resume
+from kvoffload.tiers.remote.process import free_port, pause, resume
 
 _log = logging.getLogger(__name__)
 

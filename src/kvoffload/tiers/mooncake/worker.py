@@ -58,7 +58,8 @@ from kvoffload.tiers.mooncake.config import MooncakeConfig
 from kvoffload.tiers.mooncake.hashing import HashThreads
 from kvoffload.tiers.remote.state import SharedState
 from kvoffload.tiers.remote.value import BAD_MAC, CORRUPT, ERROR, HEADER_BYTES, MISSING, OK, WRONG_KEY, ValueCodec
-from kvoffload.tiers.remote.worker import RemoteTierWorker, _Job
+from kvoffload.tiers.remote.job import TransferJob
+from kvoffload.tiers.remote.worker import RemoteTierWorker
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ class _Part:
 
     __slots__ = ("job", "n_slots", "pieces_left", "ok", "ready")
 
-    def __init__(self, job: _Job, n_slots: int, pieces: int, ready: tuple | None = None):
+    def __init__(self, job: TransferJob, n_slots: int, pieces: int, ready: tuple | None = None):
         self.job = job
         self.n_slots = n_slots
         self.pieces_left = pieces
@@ -114,7 +115,7 @@ class MooncakeTierWorker(RemoteTierWorker):
         return even_runs(n, k)
 
     # -- a part: a load's transfer here on the IO thread, its check on the hashing threads ---
-    def _move(self, conns: dict, job: _Job, slots: list[int], spec, headers_made: bool = False) -> None:
+    def _move(self, conns: dict, job: TransferJob, slots: list[int], spec, headers_made: bool = False) -> None:
         if not slots:
             return self._part_done(job, 0, True)
         if job.is_store:
@@ -133,7 +134,7 @@ class MooncakeTierWorker(RemoteTierWorker):
                 self._loads_moving -= 1
         return None
 
-    def _fetch_rounds(self, job: _Job, slots: list[int], spec) -> None:
+    def _fetch_rounds(self, job: TransferJob, slots: list[int], spec) -> None:
         c = self._state.counters
         backoff = self._state.transfer_backoff
         n = self._per_round
@@ -223,7 +224,7 @@ class MooncakeTierWorker(RemoteTierWorker):
             m = chunk(s)
             m[payload:end] = codec.header(k.encode(), m[:payload])
 
-    def _move_store(self, job: _Job, slots: list[int], spec, headers_made: bool) -> None:
+    def _move_store(self, job: TransferJob, slots: list[int], spec, headers_made: bool) -> None:
         ok = False
         try:
             ok = self._store(slots, spec, headers_made)

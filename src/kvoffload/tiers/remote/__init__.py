@@ -1,8 +1,10 @@
-"""Remote shared tier on Redis/Valkey (standalone or Redis Cluster): KV
-computed by one engine is reused by every engine pointed at the same
-server. See docs/REMOTE.md."""
+"""What every remote key-value tier shares (Redis/Valkey in tiers/redis,
+Mooncake in tiers/mooncake): the settings (config.py), the value format
+and key space (value.py), shared state and counters (state.py), network
+errors and back-off (network.py), coalesced existence lookups (lookup.py),
+the offloading manager (manager.py), the IO worker base and its job
+(worker.py, job.py), and local server process helpers (process.py)."""
 
 from kvoffload.tiers.remote.config import RemoteConfig
-from kvoffload.tiers.remote.tier import RemoteTier
 
-__all__ = ["RemoteConfig", "RemoteTier"]
+__all__ = ["RemoteConfig"]

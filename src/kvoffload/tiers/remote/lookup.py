@@ -24,7 +24,7 @@ from collections import deque
 
 import redis
 
-from kvoffload.tiers.remote.connection import NETWORK_ERRORS
+from kvoffload.tiers.remote.network import NETWORK_ERRORS
 from kvoffload.tiers.remote.state import SharedState
 from kvoffload.tiers.remote.value import KeySpace
 

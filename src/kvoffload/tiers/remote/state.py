@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 
-from kvoffload.tiers.remote.connection import Backoff
+from kvoffload.tiers.remote.network import Backoff
 from kvoffload.tiers.remote.config import RemoteConfig
 
 

@@ -9,8 +9,8 @@ import redis
 
 import pytest
 
-from kvoffload.tiers.remote import server as server_mod
-from kvoffload.tiers.remote.server import LocalServer, find_server_binary, free_port
+from kvoffload.tiers.redis import server as server_mod
+from kvoffload.tiers.redis.server import LocalServer, find_server_binary, free_port
 
 pytestmark = pytest.mark.skipif(find_server_binary() is None, reason="no redis-server")
 

@@ -18,7 +18,7 @@ from kvoffload.abstractions import LookupResult
 from kvoffload.config import ConfigError
 from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.host_pool import HostPool
-from kvoffload.tiers.remote import RemoteConfig, RemoteTier
+from kvoffload.tiers.redis import RemoteConfig, RemoteTier
 from kvoffload.tiers.remote.value import HEADER_BYTES, OK, WRONG_KEY, ValueCodec, key_hash
 from remote_helpers import fill, keys_for, load, lookup, make_tier, store, undeclared
 

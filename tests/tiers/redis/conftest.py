@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from kvoffload.tiers.remote.server import LocalServer, find_server_binary
+from kvoffload.tiers.redis.server import LocalServer, find_server_binary
 
 
 def _unavailable(msg: str):

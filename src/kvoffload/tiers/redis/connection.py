@@ -1,6 +1,5 @@
-"""Talking to the server: building a redis-py client from the config, the
-start-up check, and the back-off shared by everything that touches the
-network in one process.
+"""Talking to the server: building a redis-py client from the config, and the
+start-up check (the shared back-off is in tiers/remote/network.py).
 
 redis-py does the control plane (handshake, AUTH/ACL, TLS, EXISTS
 pipelines, cluster topology). The data plane (resp.py) borrows redis-py's
@@ -12,8 +11,6 @@ from __future__ import annotations
 
 import logging
 import ssl
-import threading
-import time
 
 import redis
 from redis.backoff import NoBackoff
@@ -21,11 +18,10 @@ from redis.retry import Retry
 
 from kvoffload.config import ConfigError
 from kvoffload.tiers.remote.config import RemoteConfig
+from kvoffload.tiers.remote.network import NETWORK_ERRORS
 
 log = logging.getLogger(__name__)
 
-# Errors that mean "the server is unreachable or too slow": a miss, not a crash.
-NETWORK_ERRORS = (redis.ConnectionError, redis.TimeoutError, OSError)
 
 
 def client_kwargs(cfg: RemoteConfig) -> dict:
@@ -137,44 +133,3 @@ def check_server(client, cfg: RemoteConfig) -> bool:
         log.warning("remote tier: %s unreachable at start-up (%s); serving misses until it is back",
                     cfg.redacted_url, e)
         return False
-
-
-class Backoff:
-    """Exponential back-off after network failures, shared by the threads
-    of one process. While backing off nobody touches the network, so a
-    dead server costs nothing but misses."""
-
-    def __init__(self, initial_s: float, max_s: float):
-        self.initial_s = initial_s
-        self.max_s = max_s
-        self._lock = threading.Lock()
-        self._delay = 0.0
-        self._retry_at = 0.0
-        self.failures = 0  # consecutive
-        self.total_failures = 0
-        self.reconnects = 0  # recoveries after a failure
-
-    def available(self) -> bool:
-        """True if the network may be tried now."""
-        return time.monotonic() >= self._retry_at
-
-    @property
-    def is_down(self) -> bool:
-        return self.failures > 0
-
-    def failed(self) -> None:
-        with self._lock:
-            self.failures += 1
-            self.total_failures += 1
-            self._delay = self.initial_s if self._delay == 0 else min(self._delay * 2, self.max_s)
-            self._retry_at = time.monotonic() + self._delay
-
-    def succeeded(self) -> None:
-        if self.failures == 0:
-            return
-        with self._lock:
-            if self.failures:
-                self.reconnects += 1
-            self.failures = 0
-            self._delay = 0.0
-            self._retry_at = 0.0

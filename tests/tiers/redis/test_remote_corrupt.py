@@ -9,8 +9,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvoffload.abstractions import LookupResult
-from kvoffload.tiers.remote import resp
-from kvoffload.tiers.remote.resp import RawConnection
+from kvoffload.tiers.redis import resp
+from kvoffload.tiers.redis.resp import RawConnection
 from kvoffload.tiers.remote.value import HEADER_BYTES
 from remote_helpers import fill, keys_for, load, lookup, make_tier, store
 

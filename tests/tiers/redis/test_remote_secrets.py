@@ -14,8 +14,8 @@ from kvoffload.cli import main
 from kvoffload.config import ConfigError
 from kvoffload.redact import redact, redact_text, redact_url
 from kvoffload.tiers.base import Namespace
-from kvoffload.tiers.remote import RemoteConfig, RemoteTier
-from kvoffload.tiers.remote.server import LocalServer
+from kvoffload.tiers.redis import RemoteConfig, RemoteTier
+from kvoffload.tiers.redis.server import LocalServer
 
 pytestmark = pytest.mark.redis
 

@@ -11,7 +11,7 @@ import numpy as np
 from kvoffload.abstractions import CPULoadStoreSpec, LookupResult, ReqContext, ScheduleEndContext
 from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.host_pool import HostPool
-from kvoffload.tiers.remote import RemoteTier
+from kvoffload.tiers.redis import RemoteTier
 
 CTX = ReqContext("test")
 STEP = ScheduleEndContext((), ())

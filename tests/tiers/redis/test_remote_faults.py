@@ -14,7 +14,7 @@ import redis
 
 from kvoffload.abstractions import LookupResult
 from kvoffload.config import ConfigError
-from kvoffload.tiers.remote.server import LocalServer, free_port
+from kvoffload.tiers.redis.server import LocalServer, free_port
 from remote_helpers import CTX, fill, keys_for, load, lookup, make_tier, store, total, undeclared, wait_until
 
 pytestmark = pytest.mark.redis

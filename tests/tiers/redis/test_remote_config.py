@@ -6,7 +6,7 @@ import pytest
 
 from kvoffload.config import ConfigError
 from kvoffload.tiers.remote.config import RemoteConfig
-from kvoffload.tiers.remote.connection import Backoff
+from kvoffload.tiers.remote.network import Backoff
 
 
 @pytest.mark.parametrize("bad, key", [
@@ -66,7 +66,7 @@ def test_redacted_url():
 def test_tls_url_builds_an_ssl_client():
     from redis.connection import SSLConnection
 
-    from kvoffload.tiers.remote.connection import build_client
+    from kvoffload.tiers.redis.connection import build_client
 
     client = build_client(RemoteConfig(url="rediss://127.0.0.1:1/0", tls_verify=False))
     assert client.connection_pool.connection_class is SSLConnection
@@ -85,7 +85,7 @@ def test_backoff_doubles_to_cap_and_resets():
 
 
 def test_a_url_redis_py_cannot_read_is_a_config_error():
-    from kvoffload.tiers.remote.connection import build_client
+    from kvoffload.tiers.redis.connection import build_client
 
     with pytest.raises(ConfigError, match=r"remote\.url 'redis://:\*\*\*@127\.0\.0\.1:1/0\?db=x': .*'db'"):
         build_client(RemoteConfig(url="redis://:pw@127.0.0.1:1/0?db=x"))

@@ -20,11 +20,11 @@ from kvoffload.config import ConfigError
 from kvoffload.tiers.base import Namespace, SecondaryTier, align_up
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.remote.config import RemoteConfig
-from kvoffload.tiers.remote.connection import build_client, check_server
+from kvoffload.tiers.redis.connection import build_client, check_server
 from kvoffload.tiers.remote.manager import RemoteOffloadingManager
 from kvoffload.tiers.remote.state import SharedState
 from kvoffload.tiers.remote.value import KeySpace, ValueCodec
-from kvoffload.tiers.remote.worker import RemoteTierWorker
+from kvoffload.tiers.redis.worker import RedisTierWorker
 
 
 class RemoteTier(SecondaryTier):
@@ -48,7 +48,7 @@ class RemoteTier(SecondaryTier):
             self.client.close()
             raise
         self._manager: RemoteOffloadingManager | None = None
-        self._worker: RemoteTierWorker | None = None
+        self._worker: RedisTierWorker | None = None
 
     @classmethod
     def from_config(cls, conf: dict[str, Any], ctx) -> RemoteTier:
@@ -66,13 +66,13 @@ class RemoteTier(SecondaryTier):
                                                     name=self.name, enable_events=self.enable_events)
         return self._manager
 
-    def get_worker(self, pool: HostPool) -> RemoteTierWorker:
+    def get_worker(self, pool: HostPool) -> RedisTierWorker:
         if self._worker is None:
             ns_bytes = self.namespace.chunk_bytes
             if ns_bytes and align_up(ns_bytes) != align_up(pool.used_chunk_bytes):  # slots may keep trailer room
                 raise ValueError(f"remote tier: namespace says {ns_bytes}-byte chunks, "
                                  f"host pool holds {pool.used_chunk_bytes}")
-            self._worker = RemoteTierWorker(pool, self.client, self.config, self.state, self.codec)
+            self._worker = RedisTierWorker(pool, self.client, self.config, self.state, self.codec)
         return self._worker
 
     def shutdown(self) -> None:

@@ -10,8 +10,8 @@ import pytest
 import redis
 
 from kvoffload.abstractions import CPULoadStoreSpec
-from kvoffload.tiers.remote.resp import RawConnection
-from kvoffload.tiers.remote.connection import NETWORK_ERRORS
+from kvoffload.tiers.redis.resp import RawConnection
+from kvoffload.tiers.remote.network import NETWORK_ERRORS
 from kvoffload.tiers.remote.value import HEADER_BYTES
 from remote_helpers import CTX, fill, keys_for, load, make_tier, store, wait_until
 

@@ -10,7 +10,7 @@ import pytest
 
 from kvoffload.abstractions import LookupResult
 from kvoffload.config import ConfigError
-from kvoffload.tiers.remote.server import LocalServer, free_port
+from kvoffload.tiers.redis.server import LocalServer, free_port
 from remote_helpers import fill, keys_for, load, lookup, make_tier, store
 
 pytestmark = pytest.mark.redis

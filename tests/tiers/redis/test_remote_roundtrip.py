@@ -9,7 +9,7 @@ import redis
 
 from kvoffload.abstractions import Locality, LookupResult, Medium
 from kvoffload.tiers.base import Namespace
-from kvoffload.tiers.remote import RemoteTier
+from kvoffload.tiers.redis import RemoteTier
 from kvoffload.tiers.remote.value import HEADER_BYTES
 from remote_helpers import CTX, fill, keys_for, load, lookup, make_tier, store
 
