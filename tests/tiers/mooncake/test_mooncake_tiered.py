@@ -31,7 +31,11 @@ def _opts(srv, prefix: str, **tier) -> EngineOptions:
 
 def test_second_engine_hits_what_the_first_stored(mooncake, prefix):
     trace = generate_chat(seed=3, sessions=6, block_size=64)
-    first = replay(trace, _opts(mooncake, prefix))
+    # the tiers finish their writes after every step (cascades past a quarter of CPU wait in a
+    # queue, and on a loaded machine a slow tier's waiting blocks could leave CPU before written)
+    writer = _opts(mooncake, prefix)
+    writer.sync_tiers = True
+    first = replay(trace, writer)
     assert first.tiers["mooncake"]["counters"]["stored_blocks"] > 0
     assert first.counters["verify_failures"] == 0
     # a fresh engine (cold CPU tier) replays the first request again: every

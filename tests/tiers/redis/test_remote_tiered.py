@@ -26,7 +26,11 @@ def _opts(url: str, prefix: str) -> EngineOptions:
 
 def test_second_engine_hits_what_the_first_stored(redis_server, prefix):
     trace = generate_chat(seed=3, sessions=6, block_size=64)
-    first = replay(trace, _opts(redis_server.url, prefix))
+    # the tiers finish their writes after every step (cascades past a quarter of CPU wait in a
+    # queue, and on a loaded machine a slow tier's waiting blocks could leave CPU before written)
+    writer = _opts(redis_server.url, prefix)
+    writer.sync_tiers = True
+    first = replay(trace, writer)
     assert first.tiers["redis"]["counters"]["stored_blocks"] > 0
     # a fresh engine (cold CPU tier) replays the first request again: every
     # offload hit it gets is a block the first engine computed
