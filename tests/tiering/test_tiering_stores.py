@@ -5,7 +5,7 @@ rest waiting, every loss counted)."""
 
 from __future__ import annotations
 
-from tiering_rig import HIT, MISS, LateReports, key
+from tiering_rig import HIT, MISS, LateReports, QueueFull, key
 
 
 def test_store_threshold_writes_only_reused_chunks(rig):
@@ -127,6 +127,27 @@ def test_a_full_wait_queue_lets_its_oldest_key_go_and_counts_it(rig):
     assert s.counters["cascade_missed"] == 2 and s.counters["cascaded_blocks"] == 2  # keys 4, 5
     sm = r.storage.get_manager()
     assert [sm.lookup(key(i), ctx) for i in range(6)] == [HIT, MISS, MISS, MISS, HIT, HIT]
+
+
+def test_writes_a_full_worker_refuses_wait_and_land_once_it_has_room(rig):
+    """A remote tier's worker refuses stores past its queue (a slow server):
+    those writes wait at the head of the tier's queue, are tried again as
+    steps go by, and land once it takes them; none is dropped. wait_idle()
+    returns while it refuses (no round changes anything)."""
+    r = rig(cpu_chunks=8, worker_wrap=QueueFull)
+    ctx = r.request()
+    keys = [key(i) for i in range(3)]
+    r.gpu_store(keys, ctx)
+    r.settle()
+    r.settle()
+    s = r.mgr.get_stats().children[1]
+    assert r.tier.worker.refused >= 2 and "dropped_stores" not in s.counters
+    assert s.gauges["cascade_waiting"] == 3 and r.cpu.get_stats().gauges["pinned_blocks"] == 0
+    r.tier.worker.full = False
+    r.settle()
+    s = r.mgr.get_stats().children[1]
+    assert s.counters["cascaded_blocks"] == 3 and s.gauges["cascade_waiting"] == 0
+    assert [r.storage.get_manager().lookup(k, ctx) for k in keys] == [HIT] * 3
 
 
 def test_an_offer_larger_than_cpu_stores_its_head(rig):

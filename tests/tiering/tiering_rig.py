@@ -93,3 +93,32 @@ class LateReports:
 
     def shutdown(self):
         self.inner.shutdown()
+
+
+class QueueFull:
+    """A tier worker whose queue is full while `full` is set: it refuses
+    every store (a Redis or Mooncake worker past max_queue_bytes, behind a
+    slow server)."""
+
+    def __init__(self, inner, full: bool = True):
+        self.inner = inner
+        self.full = full
+        self.refused = 0
+
+    def submit_store(self, job_id, src, dst):
+        if self.full:
+            self.refused += 1
+            return False
+        return self.inner.submit_store(job_id, src, dst)
+
+    def submit_load(self, job_id, src, dst):
+        return self.inner.submit_load(job_id, src, dst)
+
+    def get_finished(self):
+        return self.inner.get_finished()
+
+    def wait(self, job_ids):
+        self.inner.wait(job_ids)
+
+    def shutdown(self):
+        self.inner.shutdown()

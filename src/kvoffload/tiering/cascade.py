@@ -16,14 +16,16 @@ As jobs finish (poll) the waiting keys still readable in CPU are written
 down, oldest first; a key that left CPU before its turn is counted
 `cascade_missed`. A full FIFO lets its oldest key go to take a new one:
 `cascade_missed` if it left CPU already, else `dropped_stores` (rare: the
-keys waiting and still in CPU never outnumber CPU's slots). Deferred writes
+keys waiting and still in CPU never outnumber CPU's slots). A write the
+tier's worker refuses (its own queue is full: a slow server) goes back to
+the head of the FIFO, to be tried again as jobs finish. Deferred writes
 are the CPU tier's write-back, owned by no request (theirs may have
 finished): submitted with no request context.
 
 Counters (per tier): cascaded_blocks (submitted), cascade_deferred (queued
 to wait), cascade_missed (left CPU before their turn), dropped_stores
-(let go by a full queue while still in CPU, or refused by the tier or its
-worker); gauge cascade_waiting.
+(let go by a full queue while still in CPU, or refused by the tier: no
+slot it can free, or its store unreachable); gauge cascade_waiting.
 """
 
 from __future__ import annotations
@@ -111,6 +113,16 @@ class Cascades:
         if dropped:
             t.count("dropped_stores", dropped)
 
+    @staticmethod
+    def _retry_first(t: Tier, keys: list[OffloadKey]) -> None:
+        """Keys the tier's worker refused (its queue is full): at the head of
+        the FIFO, the next written down (the FIFO may pass its bound by them)."""
+        waiting = t.waiting
+        for k in reversed(keys):
+            waiting[k] = None
+            waiting.move_to_end(k, last=False)
+        t.count("cascade_deferred", len(keys))
+
     def drain(self) -> None:
         """Write down waiting keys, as far as the bounds allow (after jobs finished)."""
         for i, t in enumerate(self.tiers):
@@ -186,7 +198,7 @@ class Cascades:
         if not t.worker.submit_store(job, src, out.store_spec):
             t.manager.complete_store(to_store, ctx, success=False)
             self.primary.release(to_store)
-            t.count("dropped_stores", len(to_store))
+            self._retry_first(t, to_store)
             return len(pinned)
         self._jobs.add(job, i, True, to_store, ctx)
         t.in_flight += len(to_store)

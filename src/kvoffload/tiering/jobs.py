@@ -38,6 +38,7 @@ class JobTable:
     def __init__(self) -> None:
         self._jobs: dict[int, Job] = {}
         self._next_id = 1
+        self.added = 0  # jobs submitted (a refused submit took an id but added none)
         self.epoch = 0
 
     def __bool__(self) -> bool:
@@ -51,12 +52,9 @@ class JobTable:
         self._next_id += 1
         return job_id
 
-    def next_id_peek(self) -> int:
-        """The id the next job will get (it changes with every job submitted)."""
-        return self._next_id
-
     def add(self, job_id: int, tier: int, is_store: bool, keys: list[OffloadKey], ctx: ReqContext) -> None:
         self._jobs[job_id] = Job(tier, is_store, keys, ctx, self.epoch)
+        self.added += 1
 
     def ids_of_tier(self, tier: int) -> set[int]:
         return {j for j, job in self._jobs.items() if job.tier == tier}

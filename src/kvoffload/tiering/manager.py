@@ -164,6 +164,8 @@ class TieringManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext):
         spec = self.primary.prepare_load(keys, req_context)
+        for t in self.tiers:  # reuse served from CPU is reuse below too: vLLM touches nothing
+            t.manager.touch(keys, req_context)
         st = self._requests.get(req_context.req_id)
         if st is not None and st.held:  # the load pins them now: drop the promotion's hold
             self._unhold(st, [k for k in dict.fromkeys(keys) if k in st.held])
@@ -315,8 +317,9 @@ class TieringManager(OffloadingManager):
         """Block until every secondary job has finished, then apply them
         (what a worker reports late stays in flight); while keys wait to be
         written down, again (each round writes some down). Two rounds in a
-        row that change nothing (a worker holding its reports) end it: what
-        waits is written down at a later poll."""
+        row that change nothing (a worker holding its reports, or refusing
+        writes: its queue is full) end it: what waits is written down at a
+        later poll."""
         stuck, last = 0, None
         while True:
             waiting = self.cascades.waiting()
@@ -326,7 +329,7 @@ class TieringManager(OffloadingManager):
             self.poll()
             if not waiting:  # (then this poll submitted nothing new)
                 return
-            now = (sum(len(t.waiting) for t in self.tiers), self.jobs.next_id_peek())
+            now = (sum(len(t.waiting) for t in self.tiers), self.jobs.added)
             stuck = stuck + 1 if now == last else 0
             if stuck >= 2:
                 return

@@ -7,9 +7,16 @@ the read fails, a MISS (the request's `failed` set).
 
 Promotions hold at most half of CPU (in flight and held together), so the
 running requests' stores always find room: many waiting requests whose
-prefixes sit below CPU would otherwise fill it with their holds. A request
-holding nothing waits (HIT_PENDING) while the others fill it; one holding
-some gets no more (MISS) and goes ahead with what it holds."""
+prefixes sit below CPU would otherwise fill it with their holds.
+  - A request holding nothing gets all its queued chunks at once, or waits
+    (HIT_PENDING) while others hold the room: a part would hold room it
+    cannot use. After PATIENCE flushes it takes a part, so it never starves.
+  - When the half is full, of the requests holding some, one (the waiter)
+    waits for the rest of its prefix; the others get no more (MISS) and go
+    ahead with what they hold, so their room returns and the waiter's
+    promotion finds it. Two holders both waiting would wait for each other.
+Before both rules, partial promotions filled the half and every holder was
+refused the rest: a tenth of the promoted blocks on the agentic traces."""
 
 from __future__ import annotations
 
@@ -22,6 +29,7 @@ from kvoffload.tiering.state import RequestState
 from kvoffload.tiering.tier import Tier
 from kvoffload.tiers.cpu.manager import CPUOffloadingManager
 
+PATIENCE = 4  # flushes a request holding nothing waits for room for all its chunks, before taking a part
 _MISS, _HIT, _PENDING = LookupResult.MISS, LookupResult.HIT, LookupResult.HIT_PENDING
 
 
@@ -37,6 +45,7 @@ class Promotions:
         self._queued: set[OffloadKey] = set()
         self.held = False  # see TieringManager.release_fenced_slots()
         self.holding = 0  # CPU chunks promotions hold: in flight, or landed and held for a request
+        self._waiter: RequestState | None = None  # the one holder that waits for room (see above)
 
     def __bool__(self) -> bool:
         return bool(self._queue)
@@ -45,6 +54,7 @@ class Promotions:
         """Drop what is queued (not submitted yet)."""
         self._queue.clear()
         self._queued.clear()
+        self._waiter = None
 
     def drop_request(self, req_id: str) -> None:
         for qk in [qk for qk in self._queue if qk[1] == req_id]:
@@ -67,9 +77,9 @@ class Promotions:
             r = t.manager.lookup(key, ctx)
             if r is _HIT:
                 if self.holding >= self._cap():  # promotions hold half of CPU already
-                    # one holding some goes ahead with it; one holding none
-                    # waits, as the holders load theirs
-                    return _MISS if st.held or st.promoting else _PENDING
+                    # one holding none waits, as the holders load theirs; of
+                    # those holding some, the waiter waits, the rest go ahead
+                    return _PENDING if self._may_wait(st) else _MISS
                 q = self._queue.get((i, ctx.req_id))
                 if q is None:
                     q = self._queue[(i, ctx.req_id)] = (ctx, [])
@@ -83,6 +93,22 @@ class Promotions:
 
     def _cap(self) -> int:
         return max(1, self.primary.num_chunks // 2)
+
+    def _may_wait(self, st: RequestState) -> bool:
+        """With promotions' room full: may this request wait for more? One
+        holding nothing may; of those holding some, only the waiter, and only
+        while what it holds leaves room for more (else it would wait for
+        itself). The waiter's place passes on once it holds nothing."""
+        mine = len(st.held) + st.promoting
+        if not mine:
+            return True
+        w = self._waiter
+        if w is not None and w is not st and (w.held or w.promoting) and not w.finished:
+            return False
+        if mine >= self._cap():
+            return False
+        self._waiter = st
+        return True
 
     def _queue_rest_of_prefix(self, t: Tier, key: OffloadKey, ctx: ReqContext,
                               st: RequestState, queued: list[OffloadKey]) -> None:
@@ -109,13 +135,19 @@ class Promotions:
         self._queued.clear()
         primary = self.primary
         slot_of = primary.slot_of
-        for (i, _), (ctx, keys) in queue.items():
+        items = list(queue.items())
+        if self._waiter is not None:  # the waiter's first: room that frees is its
+            items.sort(key=lambda item: self._state_of(item[1][0]) is not self._waiter)
+        for (i, _), (ctx, keys) in items:
             t, st = self.tiers[i], self._state_of(ctx)
             room = self._cap() - self.holding
             if room <= 0:
-                if st.held or st.promoting:
+                if not self._may_wait(st):
                     self._failed(t, st, keys)
                 continue  # else asked again by its next lookup
+            if len(keys) > room and self.holding and not (st.held or st.promoting) and st.room_waits < PATIENCE:
+                st.room_waits += 1  # not all of it fits while others hold: wait (a part would hold room it cannot use)
+                continue
             keys = keys[:room]
             # the request's CPU hits ride along: already stored, so protected from eviction
             resident = [k for k in st.cpu_hits if slot_of(k) is not None]
