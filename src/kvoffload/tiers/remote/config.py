@@ -46,7 +46,7 @@ class RemoteConfig:
     # checks overlapping; each connection may hold batch_bytes of replies in the server's output buffer
     io_threads: int = 4
     batch_bytes: int = 32 << 20  # bytes per pipelined GET/SET round
-    max_queue_bytes: int = 1 << 30  # stores queued beyond this are dropped (back-pressure)
+    max_queue_bytes: int = 1 << 30  # stores queued beyond this are refused (the tiering manager retries them)
     backoff_initial_s: float = 0.05  # first reconnect delay after a failure
     backoff_max_s: float = 5.0  # cap of the exponential back-off
     tls_ca_certs: str | None = None  # CA bundle for rediss://
