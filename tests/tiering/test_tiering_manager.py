@@ -191,14 +191,6 @@ def test_one_secondary_hit_promotes_the_rest_of_the_prefix(rig):
     r.mgr.complete_load(keys, again)
 
 
-def _in_storage_only(r, ctx, keys, filler):
-    """Store keys, then push them out of CPU with filler (storage keeps both)."""
-    for k in keys + filler:
-        r.gpu_store([k], ctx)
-        r.settle()
-    assert all(r.cpu.slot_of(k) is None for k in keys)
-
-
 def test_a_promotion_is_held_for_its_request_until_it_loads(rig):
     """What was promoted for a request stays in CPU until it loads it: else
     other requests' promotions (or stores) may evict it first, and two
@@ -211,7 +203,7 @@ def test_a_promotion_is_held_for_its_request_until_it_loads(rig):
     r = rig(cpu_chunks=4)
     writer = r.request("w")
     a_keys, b_key = [key(0), key(1), key(2)], key(10)
-    _in_storage_only(r, writer, a_keys + [b_key], [key(i) for i in range(20, 24)])
+    r.in_storage_only(writer, a_keys + [b_key], [key(i) for i in range(20, 24)])
     a, b = r.request("a"), r.request("b")
     for pos, k in enumerate(a_keys):
         a.set_offload_key_position(k, (pos + 1) * 16)
@@ -267,7 +259,7 @@ def test_every_stat_the_tiered_manager_reports_is_a_declared_series(rig):
 
 def _promoted_and_held(r):
     """A request for which key 0, in storage only, was promoted into CPU."""
-    _in_storage_only(r, r.request("w"), [key(0)], [key(i) for i in range(20, 24)])
+    r.in_storage_only(r.request("w"), [key(0)], [key(i) for i in range(20, 24)])
     a = r.request("a")
     assert r.mgr.lookup(key(0), a) is PENDING
     r.settle()

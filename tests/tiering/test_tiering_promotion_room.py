@@ -12,12 +12,15 @@ def _positions(ctx, keys):
         ctx.set_offload_key_position(k, (pos + 1) * 16)
 
 
-def _in_storage_only(r, ctx, keys, filler):
-    """Store keys, then push them out of CPU with filler (storage keeps both)."""
-    for k in keys + filler:
-        r.gpu_store([k], ctx)
-        r.settle()
-    assert all(r.cpu.slot_of(k) is None for k in keys)
+def _two_requests_below_cpu(r):
+    """Requests a and b, each with a prefix of 3 chunks storage holds and CPU lacks."""
+    w = r.request("w")
+    a_keys, b_keys = [key(i) for i in range(3)], [key(i) for i in range(10, 13)]
+    r.in_storage_only(w, a_keys + b_keys, [key(i) for i in range(20, 28)])
+    a, b = r.request("a"), r.request("b")
+    _positions(a, a_keys)
+    _positions(b, b_keys)
+    return a, a_keys, b, b_keys
 
 
 def test_reuse_served_from_cpu_keeps_the_block_below_recent(rig):
@@ -50,12 +53,7 @@ def test_two_prefixes_that_do_not_fit_together_each_arrive_whole(rig):
     then gets all 3. It used to take the 1 slot left and then be refused the
     rest (a MISS: recomputed although storage held it)."""
     r = rig(cpu_chunks=8)
-    w = r.request("w")
-    a_keys, b_keys = [key(i) for i in range(3)], [key(i) for i in range(10, 13)]
-    _in_storage_only(r, w, a_keys + b_keys, [key(i) for i in range(20, 28)])
-    a, b = r.request("a"), r.request("b")
-    _positions(a, a_keys)
-    _positions(b, b_keys)
+    a, a_keys, b, b_keys = _two_requests_below_cpu(r)
     assert r.mgr.lookup(a_keys[0], a) is PENDING
     assert r.mgr.lookup(b_keys[0], b) is PENDING
     r.settle()
@@ -80,7 +78,7 @@ def test_one_holder_waits_for_the_rest_of_its_prefix_the_others_go_ahead(rig):
     w = r.request("w")
     a_keys, c_keys, late = [key(0), key(1)], [key(10), key(11)], key(2)
     filler = iter(range(100, 200))
-    _in_storage_only(r, w, a_keys + c_keys, [key(next(filler)) for _ in range(8)])
+    r.in_storage_only(w, a_keys + c_keys, [key(next(filler)) for _ in range(8)])
     a, c = r.request("a"), r.request("c")
     _positions(a, a_keys + [late])
     _positions(c, c_keys + [key(12)])
@@ -89,7 +87,7 @@ def test_one_holder_waits_for_the_rest_of_its_prefix_the_others_go_ahead(rig):
     r.settle()
     assert r.mgr.promotions.holding == 4  # a and c hold 2 each: the half is full
     # keys 2 and 12 reach storage (and leave CPU) only now
-    _in_storage_only(r, w, [late, key(12)], [key(next(filler)) for _ in range(4)])
+    r.in_storage_only(w, [late, key(12)], [key(next(filler)) for _ in range(4)])
     assert [r.mgr.lookup(k, a) for k in a_keys + [late]] == [HIT, HIT, PENDING]  # a asks first: the waiter
     assert [r.mgr.lookup(k, c) for k in c_keys + [key(12)]] == [HIT, HIT, MISS]  # c goes ahead
     r.mgr.prepare_load(c_keys, c)
@@ -107,12 +105,7 @@ def test_a_request_that_waited_long_enough_takes_a_part(rig):
     from kvoffload.tiering.promotion import PATIENCE
 
     r = rig(cpu_chunks=8)
-    w = r.request("w")
-    a_keys, b_keys = [key(i) for i in range(3)], [key(i) for i in range(10, 13)]
-    _in_storage_only(r, w, a_keys + b_keys, [key(i) for i in range(20, 28)])
-    a, b = r.request("a"), r.request("b")
-    _positions(a, a_keys)
-    _positions(b, b_keys)
+    a, a_keys, b, b_keys = _two_requests_below_cpu(r)
     assert r.mgr.lookup(a_keys[0], a) is PENDING
     r.settle()  # a holds 3 of the 4 promotions may hold, and never loads them here
     for _ in range(PATIENCE):

@@ -58,6 +58,13 @@ class Rig:
         self.mgr.on_schedule_end(END)
         self.mgr.wait_idle()
 
+    def in_storage_only(self, ctx, keys, filler) -> None:
+        """Store keys, then push them out of CPU with filler (storage keeps both)."""
+        for k in keys + filler:
+            self.gpu_store([k], ctx)
+            self.settle()
+        assert all(self.cpu.slot_of(k) is None for k in keys)
+
     def close(self):
         self.mgr.shutdown()
         self.pool.close()
