@@ -21,6 +21,24 @@ def test_store_threshold_writes_only_reused_chunks(rig):
     assert sm.lookup(key(1), ctx) is MISS
 
 
+def test_a_load_from_cpu_is_the_reuse_admission_counts(rig):
+    """vLLM calls no touch(): a chunk reused from CPU is loaded, and that
+    load is its second offer, so a tier with store_threshold 2 writes it
+    down then. (Counted only on touch, nothing reused from CPU ever reached
+    such a tier under vLLM.)"""
+    r = rig(store_threshold=2)
+    ctx = r.request()
+    r.gpu_store([key(0), key(1)], ctx)
+    r.settle()
+    sm = r.storage.get_manager()
+    other = r.request("reuse")
+    r.mgr.prepare_load([key(0)], other)
+    r.mgr.complete_load([key(0)], other)
+    r.settle()
+    assert sm.lookup(key(0), ctx) is HIT
+    assert sm.lookup(key(1), ctx) is MISS
+
+
 def test_tinylfu_admission_writes_only_reused_chunks(rig):
     from kvoffload.tiering.admission import TinyLFUAdmission
 

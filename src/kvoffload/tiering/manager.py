@@ -164,8 +164,11 @@ class TieringManager(OffloadingManager):
 
     def prepare_load(self, keys: Collection[OffloadKey], req_context: ReqContext):
         spec = self.primary.prepare_load(keys, req_context)
-        for t in self.tiers:  # reuse served from CPU is reuse below too: vLLM touches nothing
+        # reuse served from CPU is reuse below too (vLLM calls no touch): their
+        # recency, and an offer to their admission
+        for t in self.tiers:
             t.manager.touch(keys, req_context)
+        self._offer_reuse(keys, req_context)
         st = self._requests.get(req_context.req_id)
         if st is not None and st.held:  # the load pins them now: drop the promotion's hold
             self._unhold(st, [k for k in dict.fromkeys(keys) if k in st.held])
@@ -190,14 +193,17 @@ class TieringManager(OffloadingManager):
         self.primary.touch(keys, req_context)
         for t in self.tiers:
             t.manager.touch(keys, req_context)
+        self._offer_reuse(keys, req_context)
+
+    def _offer_reuse(self, keys: Collection[OffloadKey], ctx: ReqContext) -> None:
+        """Reuse is an offer to the tiers' admission: a chunk a tier admits
+        now, while resident in CPU, is written down now."""
         if self._admitting:
-            # reuse is an offer: a chunk a tier admits now, while resident
-            # in CPU, is written down now
             keys = list(dict.fromkeys(keys))
             for i, t in self._admitting:
                 admitted = t.admission.offer(keys)
                 if admitted:
-                    self._cascade(i, admitted, req_context)
+                    self._cascade(i, admitted, ctx)
 
     # ---- stores ---------------------------------------------------------------
 
