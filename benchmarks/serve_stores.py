@@ -15,9 +15,10 @@ from pathlib import Path
 
 CONFIG_NAMES = ("none", "cpu", "cpu-lru", "cpu+storage", "cpu+redis", "cpu+mooncake",
                 "shared-redis", "shared-mooncake")
-# run only when named: the CPU tier with vLLM's store_threshold 2 (a chunk stored on its second offer)
-OPTIONAL_CONFIGS = ("cpu-t2",)
-STORE_THRESHOLD = {"cpu-t2": 2}  # offers a block needs before it is stored (else 1)
+# run only when named: store_threshold 2 (a chunk stored on its second offer: vLLM's
+# key on the CPU tier; on a remote tier, written down once stored and reused)
+OPTIONAL_CONFIGS = ("cpu-t2", "cpu+redis-t2", "cpu+mooncake-t2")
+STORE_THRESHOLD = {"cpu-t2": 2, "cpu+redis-t2": 2, "cpu+mooncake-t2": 2}  # offers a block needs (else 1)
 # the two-server configurations: server A is the named single-server one
 SHARED_WITH = {"shared-redis": "cpu+redis", "shared-mooncake": "cpu+mooncake"}
 
@@ -88,6 +89,11 @@ def kv_config(name: str, stores: Stores, cpu_bytes: str, tier_cpu_bytes: str) ->
         return connector({**tiered, "remote_url": stores.redis_url()})
     if name == "cpu+mooncake":
         return connector({**tiered, "remote_url": stores.mooncake_url()})
+    if name in ("cpu+redis-t2", "cpu+mooncake-t2"):
+        kind = name.partition("+")[2].partition("-")[0]
+        url = stores.redis_url() if kind == "redis" else stores.mooncake_url()
+        return connector({**tiered, "secondary_tiers": [{"type": kind, "url": url,
+                                                         "store_threshold": STORE_THRESHOLD[name]}]})
     raise ValueError(f"unknown configuration {name!r}; known: {', '.join(CONFIG_NAMES)}")
 
 
@@ -97,4 +103,6 @@ def describe(name: str, cpu_bytes: str, tier_cpu_bytes: str) -> str:
         return f"server B (fresh, CPU {tier_cpu_bytes}) over the store server A ({base}) filled"
     fixed = {"none": "no offloading", "cpu": f"CPU tier {cpu_bytes}, default policy",
              "cpu-lru": f"CPU tier {cpu_bytes}, lru", "cpu-t2": f"CPU tier {cpu_bytes}, store_threshold 2"}
+    if name in STORE_THRESHOLD and "+" in name:
+        return f"CPU {tier_cpu_bytes} + {name.partition('+')[2].partition('-')[0]}, store_threshold 2 on it"
     return fixed.get(name) or f"CPU {tier_cpu_bytes} + {name.partition('+')[2]}"

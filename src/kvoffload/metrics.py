@@ -43,6 +43,7 @@ COUNTERS = {
     # a secondary tier under the CPU tier (tiering/)
     "promoted_blocks": "Blocks promoted from this tier into the CPU tier",
     "promotion_failures": "Blocks whose promotion into the CPU tier failed (answered as misses)",
+    "promotion_timeouts": "Lookups answered MISS because the request's promotion took longer than promotion_deadline_s",
     "cascaded_blocks": "Blocks written down from the CPU tier into this tier",
     "failed_stores": "Blocks whose write down from the CPU tier into this tier failed",
     "partial_stores": "Stores larger than the CPU tier's room, of which only the head was stored",

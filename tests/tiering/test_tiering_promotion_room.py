@@ -4,7 +4,7 @@ storage tier on files (tiering_rig)."""
 
 from __future__ import annotations
 
-from tiering_rig import HIT, MISS, PENDING, key
+from tiering_rig import END, HIT, MISS, PENDING, key
 
 
 def _positions(ctx, keys):
@@ -116,3 +116,49 @@ def test_a_request_that_waited_long_enough_takes_a_part(rig):
     r.settle()
     assert r.mgr.lookup(b_keys[0], b) is HIT  # a part: the one slot left
     assert r.mgr.promotions.holding == 4
+
+
+class StuckLoads:
+    """A tier worker whose loads do not finish while `stuck` is set (a
+    Mooncake node that stopped answering: its transfers queue for seconds)."""
+
+    def __init__(self, inner):
+        self.inner, self.stuck, self._loads, self._held = inner, True, set(), []
+
+    def submit_store(self, job_id, src, dst):
+        return self.inner.submit_store(job_id, src, dst)
+
+    def submit_load(self, job_id, src, dst):
+        self._loads.add(job_id)
+        return self.inner.submit_load(job_id, src, dst)
+
+    def get_finished(self):
+        done = self._held + list(self.inner.get_finished())
+        self._held = [d for d in done if self.stuck and d.job_id in self._loads]
+        return [d for d in done if d not in self._held]
+
+    def wait(self, job_ids):
+        self.inner.wait(job_ids)
+
+    def shutdown(self):
+        self.inner.shutdown()
+
+
+def test_a_request_stops_waiting_for_a_late_promotion(rig):
+    """A promotion in flight past promotion_deadline_s: the request's lookup
+    answers MISS, so it computes instead of waiting for a stuck tier; once
+    the promotion lands, the block is served."""
+    r = rig(cpu_chunks=4, worker_wrap=StuckLoads)
+    r.mgr.promotion_deadline_s = 10.0
+    r.in_storage_only(r.request("w"), [key(0)], [key(i) for i in range(20, 24)])
+    a = r.request("a")
+    assert r.mgr.lookup(key(0), a) is PENDING
+    r.mgr.on_schedule_end(END)  # submitted; the worker holds it
+    r.mgr.wait_idle()
+    assert r.mgr.lookup(key(0), a) is PENDING  # within the deadline
+    r.mgr._requests["a"].promote_since -= 11.0  # (as if 11 s went by)
+    assert r.mgr.lookup(key(0), a) is MISS
+    assert r.mgr.get_stats().counters["promotion_timeouts"] == 1
+    r.tier.worker.stuck = False
+    r.settle()
+    assert r.mgr.lookup(key(0), a) is HIT  # it landed after all: served to whoever asks

@@ -22,6 +22,24 @@ def _spec(tmp_path, cpu_chunks=2, **tier):
     return build_spec("tiered", config)
 
 
+def test_promotion_deadline_s_is_seconds_or_none(tmp_path):
+    from kvoffload.config import ConfigError, OffloadingConfig
+    from kvoffload.spec import build_spec
+
+    def spec(value):
+        config = OffloadingConfig.from_dict({
+            "groups": [{"tokens_per_block": 16}],
+            "extra_config": {"num_cpu_chunks": 2, "storage_dir": str(tmp_path / "kv"), "storage_bytes": "1MiB",
+                             "promotion_deadline_s": value}})
+        return build_spec("tiered", config)
+
+    assert spec(0.5).promotion_deadline_s == 0.5
+    assert spec(0).promotion_deadline_s is None and spec(None).promotion_deadline_s is None
+    for bad in (-1, "2s", True, float("nan")):
+        with pytest.raises(ConfigError, match="promotion_deadline_s"):
+            spec(bad)
+
+
 def _run_job(worker, submit, *args):
     assert submit(*args)
     worker.wait({args[0]})

@@ -186,6 +186,8 @@ class ReplayEngine(Scheduling, Transfers, VllmOrder, LegacyOrder, EngineTime):
             extra_config=dict(opts.extra_config),
             enable_kv_cache_events=opts.events is not None,
         )
+        if opts.spec == "tiered":  # a wall-clock deadline would make the figures depend on the machine's load
+            config.extra_config.setdefault("promotion_deadline_s", None)
         self.spec = build_spec(opts.spec, config)
         encoder = getattr(opts.events, "encoder", None)
         if encoder is not None and not encoder.block_size:  # routers read tokens per block from events

@@ -24,6 +24,7 @@ idle engine still makes (_apply_finished_on_query).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Collection, Iterable
 
 from kvoffload.abstractions import (
@@ -57,10 +58,18 @@ _LOOKUP_COUNTER = {_HIT: "hits", _MISS: "misses", _PENDING: "hits_pending", _RET
 _DONE = object()  # on a ReqContext, under the manager: its children heard on_request_finished
 
 
+# A request waits at most this long for a promotion in flight before its
+# lookups answer MISS and it computes instead (a slow or stuck tier, e.g. a
+# Mooncake node whose transfers queue behind one that stopped answering).
+DEFAULT_PROMOTION_DEADLINE_S = 2.0
+
+
 class TieringManager(OffloadingManager):
-    def __init__(self, primary: CPUOffloadingManager, tiers: list[Tier], name: str = "tiered"):
+    def __init__(self, primary: CPUOffloadingManager, tiers: list[Tier], name: str = "tiered",
+                 promotion_deadline_s: float | None = DEFAULT_PROMOTION_DEADLINE_S):
         self.primary = primary
         self.name = name
+        self.promotion_deadline_s = promotion_deadline_s or None  # None (or 0): wait as long as it takes
         self._requests: dict[str, RequestState] = {}
         self.jobs = JobTable()
         self._counters: dict[str, float] = {}
@@ -157,8 +166,17 @@ class TieringManager(OffloadingManager):
                 r = self.promotions.lookup(key, req_context)
             elif r is _HIT:
                 self._state(req_context).cpu_hits[key] = None
+            elif r is _PENDING and self.promotion_deadline_s is not None and self._overdue(req_context):
+                r = _MISS  # its promotion is late: it computes instead
+                self._count("promotion_timeouts")
         self._count(_LOOKUP_COUNTER[r])
         return r
+
+    def _overdue(self, ctx: ReqContext) -> bool:
+        """True if the request's oldest promotion in flight is past the deadline."""
+        st = self._requests.get(ctx.req_id)
+        return (st is not None and st.promoting > 0
+                and time.monotonic() - st.promote_since > self.promotion_deadline_s)
 
     # ---- loads (CPU -> GPU: the primary's) ---------------------------------
 

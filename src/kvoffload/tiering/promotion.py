@@ -20,6 +20,7 @@ refused the rest: a tenth of the promoted blocks on the agentic traces."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from kvoffload.abstractions import LookupResult, OffloadKey, ReqContext
@@ -183,6 +184,8 @@ class Promotions:
                 continue
             self._jobs.add(job, i, False, keys, ctx)
             st.jobs += 1
+            if not st.promoting:
+                st.promote_since = time.monotonic()
             st.promoting += len(keys)
             self.holding += len(keys)
 

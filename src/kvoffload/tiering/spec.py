@@ -17,6 +17,8 @@ extra_config (besides the CPU spec's keys, kvoffload.tiers.cpu.spec):
   storage_dir, storage_bytes   shorthand for one more storage tier
   remote_url                   shorthand for one more remote tier ("mooncake" for a
                                mooncake://HOST:PORT url, else "redis")
+  promotion_deadline_s         how long a request waits for a promotion in flight
+                               before it computes instead (2.0; 0 or null: no limit)
 
 The tiers are checked (directories opened, indexes read, servers reached)
 at construction when kv_bytes_per_chunk / kv_bytes_per_token is given, so
@@ -48,7 +50,7 @@ from kvoffload.config import ConfigError, OffloadingConfig, check_known_keys, po
 from kvoffload.layout import parallel_layout_id
 from kvoffload.tiering.admission import make_admission
 from kvoffload.redact import redact
-from kvoffload.tiering.manager import TieringManager
+from kvoffload.tiering.manager import DEFAULT_PROMOTION_DEADLINE_S, TieringManager
 from kvoffload.tiering.tier import (
     DEFAULT_MAX_QUEUE_DEPTH,
     DEFAULT_STORE_THRESHOLD,
@@ -66,7 +68,7 @@ from kvoffload.tiers.cpu.spec import CPUOffloadingSpec
 
 class TieredOffloadingSpec(OffloadingSpec):
     EXTRA_KEYS = CPUOffloadingSpec.EXTRA_KEYS + (
-        "secondary_tiers", "namespace", "storage_dir", "storage_bytes", "remote_url")
+        "secondary_tiers", "namespace", "storage_dir", "storage_bytes", "remote_url", "promotion_deadline_s")
 
     def __init__(self, config: OffloadingConfig):
         extra = config.extra_config
@@ -76,6 +78,7 @@ class TieredOffloadingSpec(OffloadingSpec):
         # the CPU spec's config (block_size applied) with all of our extra_config
         super().__init__(dataclasses.replace(self.cpu.config, extra_config=extra))
         self.tier_configs: list[dict[str, Any]] = _tier_configs(extra)
+        self.promotion_deadline_s = _deadline(extra.get("promotion_deadline_s", DEFAULT_PROMOTION_DEADLINE_S))
         # room after each host-pool chunk a tier keeps its value header in (Mooncake: one buffer per key)
         self.cpu.pool_trailer_bytes = max((getattr(get_tier_class(c["type"]), "POOL_TRAILER_BYTES", 0)
                                            for c in self.tier_configs), default=0)
@@ -182,7 +185,8 @@ class TieredOffloadingSpec(OffloadingSpec):
     def get_manager(self) -> TieringManager:
         if self._tiering is None:
             primary = self.cpu.get_manager()  # raises if the chunk size is not known yet
-            self._tiering = TieringManager(primary, self._build_tiers())
+            self._tiering = TieringManager(primary, self._build_tiers(),
+                                           promotion_deadline_s=self.promotion_deadline_s)
         return self._tiering
 
     def attach_tier_workers(self, pool: HostPool) -> None:
@@ -225,6 +229,15 @@ def _release(tiers: list[Tier]) -> None:
             discard()
         else:
             t.manager.shutdown()
+
+
+def _deadline(value: Any) -> float | None:
+    """promotion_deadline_s: seconds (> 0), or 0 / null for no deadline."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ConfigError(f"promotion_deadline_s must be seconds (a number >= 0; 0 or null: none), got {value!r}")
+    return float(value) or None
 
 
 def _tier_configs(extra: dict[str, Any]) -> list[dict[str, Any]]:

@@ -21,6 +21,7 @@ class RequestState:
     # evicting each other's promotions, neither ever getting its prefix
     held: dict[OffloadKey, None] = field(default_factory=dict)
     promoting: int = 0  # chunks of its promotions in flight
+    promote_since: float = 0.0  # monotonic time its oldest promotion in flight was submitted
     room_waits: int = 0  # flushes its promotion waited for room, holding nothing (promotion.py)
     jobs: int = 0  # secondary jobs in flight for this request
     # primary (GPU -> CPU) store jobs in flight: each may cascade when it
