@@ -92,7 +92,8 @@ def kv_config(name: str, stores: Stores, cpu_bytes: str, tier_cpu_bytes: str) ->
     if name in ("cpu+redis-t2", "cpu+mooncake-t2"):
         kind = name.partition("+")[2].partition("-")[0]
         url = stores.redis_url() if kind == "redis" else stores.mooncake_url()
-        return connector({**tiered, "secondary_tiers": [{"type": kind, "url": url,
+        # keys of their own: the store may still hold what the cpu+redis / cpu+mooncake run stored
+        return connector({**tiered, "secondary_tiers": [{"type": kind, "url": url, "key_prefix": "kvoffload-t2",
                                                          "store_threshold": STORE_THRESHOLD[name]}]})
     raise ValueError(f"unknown configuration {name!r}; known: {', '.join(CONFIG_NAMES)}")
 
