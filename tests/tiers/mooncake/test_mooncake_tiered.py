@@ -6,7 +6,6 @@ hang or a wrong byte, and the store serves again once it is back."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -17,6 +16,7 @@ from kvoffload.replay.generator import generate_chat
 from kvoffload.replay.traces import Trace
 from kvoffload.spec import build_spec
 from mooncake_helpers import PATIENT
+from replay_through_a_kill import replay_through_a_kill
 
 pytestmark = pytest.mark.mooncake
 
@@ -82,21 +82,7 @@ def test_replay_survives_master_kill_and_restart(fresh_mooncake, prefix):
     trace = generate_chat(seed=4, sessions=20, block_size=64)
     opts = _opts(srv, prefix, rpc_timeout_s=0.5, connect_timeout_s=0.5, lookup_deadline_s=0.3,
                  backoff_initial_s=0.02, backoff_max_s=0.2)
-    engine = ReplayEngine(trace, opts)
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", engine.run()))
-    t.start()
-    while engine.c["requests"] < len(trace.requests) // 4 and t.is_alive():
-        time.sleep(0.005)
-    assert t.is_alive(), "the replay finished before the kill"
-    srv.kill_master()
-    t.join(timeout=600)  # generous: a loaded machine; a hang is what this bounds
-    assert not t.is_alive(), "replay hung after the master died"
-    engine.close()
-    r = out["r"]
-    tc = r.tiers["mooncake"]["counters"]
-    assert r.counters["requests"] == len(trace.requests) and r.counters["verify_failures"] == 0
-    assert tc.get("stores_refused", 0) + tc.get("store_failures", 0) + tc.get("dropped_stores", 0) > 0
+    replay_through_a_kill(ReplayEngine(trace, opts), len(trace.requests), srv.kill_master, "mooncake")
 
     srv.start_master()  # a new master (its metadata is gone); clients and the store node re-register
     one = Trace(trace.name, trace.block_size, trace.requests[:1])

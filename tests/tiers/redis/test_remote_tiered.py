@@ -60,31 +60,15 @@ def test_unknown_key_in_tier_entry_names_it(redis_server):
 def test_replay_survives_server_kill_and_resumes(fresh_server, prefix):
     """Kill the server mid-replay: the replay finishes (misses, dropped
     stores, no wrong bytes); restart it and a second replay hits again."""
-    import threading
-    import time
-
     from kvoffload.replay.engine import ReplayEngine
+    from replay_through_a_kill import replay_through_a_kill
 
     srv = fresh_server.start()
     trace = generate_chat(seed=4, sessions=20, block_size=64)
     opts = _opts(srv.url, prefix)
     opts.extra_config["secondary_tiers"][0].update(
         connect_timeout_s=0.3, socket_timeout_s=0.3, lookup_deadline_s=0.3, backoff_initial_s=0.02, backoff_max_s=0.2)
-    engine = ReplayEngine(trace, opts)
-    out = {}
-    t = threading.Thread(target=lambda: out.setdefault("r", engine.run()))
-    t.start()
-    while engine.c["requests"] < len(trace.requests) // 4 and t.is_alive():
-        time.sleep(0.005)
-    assert t.is_alive(), "the replay finished before the kill"
-    srv.kill()
-    t.join(timeout=600)  # generous: a loaded machine; a hang is what this bounds
-    assert not t.is_alive(), "replay hung after the server died"
-    engine.close()
-    r = out["r"]
-    rc = r.tiers["redis"]["counters"]
-    assert r.counters["requests"] == len(trace.requests) and r.counters["verify_failures"] == 0
-    assert rc.get("stores_refused", 0) + rc.get("store_failures", 0) + rc.get("dropped_stores", 0) > 0
+    replay_through_a_kill(ReplayEngine(trace, opts), len(trace.requests), srv.kill, "redis")
 
     srv.start()  # empty again
     one = Trace(trace.name, trace.block_size, trace.requests[:1])
