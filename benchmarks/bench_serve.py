@@ -33,6 +33,7 @@ offload hits (tokens served by the connector) and bytes from the server's
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
@@ -175,7 +176,12 @@ class Bench:
 
     def server(self, name: str) -> ServeProcess:
         cfg = kv_config(name, self.stores, self.a.cpu_bytes, self.a.tier_cpu_bytes)
-        return ServeProcess(name.replace("+", "_"), self.opts, cfg, self.work)
+        opts = self.opts
+        if name == "vllm-all":  # every shared prefix, and the requests running beside them, twice over
+            a = self.a
+            tokens = a.num_prefixes * a.prefix_len + a.concurrency * (a.prefix_len + a.suffix_len + a.output_len)
+            opts = dataclasses.replace(opts, gpu_blocks=max(opts.gpu_blocks, 2 * tokens // 32))
+        return ServeProcess(name.replace("+", "_"), opts, cfg, self.work)
 
     def phase(self, srv: ServeProcess, run) -> tuple[dict, dict]:
         before = parse_metrics(srv.metrics_text())
@@ -205,7 +211,7 @@ class Bench:
             self.bench_phase(name, srv, self.random)
         if "shared-prefix" in a.datasets:
             self.bench_phase(name, srv, self.prefix)
-            if self.check_pairs:
+            if self.check_pairs and name != "vllm-all":  # nothing offloaded to check
                 self.check_phase(name, srv)
         if "agentic" in a.datasets and name in a.trace_configs:
             out, m = self.phase(srv, lambda: clients.trace_replay(

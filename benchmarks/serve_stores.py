@@ -17,7 +17,9 @@ CONFIG_NAMES = ("none", "cpu", "cpu-lru", "cpu+storage", "cpu+redis", "cpu+moonc
                 "shared-redis", "shared-mooncake")
 # run only when named: store_threshold 2 (a chunk stored on its second offer: vLLM's
 # key on the CPU tier; on a remote tier, written down once stored and reused)
-OPTIONAL_CONFIGS = ("cpu-t2", "cpu+redis-t2", "cpu+mooncake-t2")
+# vllm-all: no offloading, vLLM's own cache big enough for every shared prefix: the
+# most any offloading could give (every reuse served from the engine's memory, nothing moved)
+OPTIONAL_CONFIGS = ("cpu-t2", "cpu+redis-t2", "cpu+mooncake-t2", "vllm-all")
 STORE_THRESHOLD = {"cpu-t2": 2, "cpu+redis-t2": 2, "cpu+mooncake-t2": 2}  # offers a block needs (else 1)
 # the two-server configurations: server A is the named single-server one
 SHARED_WITH = {"shared-redis": "cpu+redis", "shared-mooncake": "cpu+mooncake"}
@@ -73,7 +75,7 @@ def kv_config(name: str, stores: Stores, cpu_bytes: str, tier_cpu_bytes: str) ->
     """The --kv-transfer-config of a configuration. Tiered ones get a smaller
     CPU tier (tier_cpu_bytes) so the secondary tier serves part of the load."""
     name = SHARED_WITH.get(name, name)
-    if name == "none":
+    if name in ("none", "vllm-all"):
         return None
     if name == "cpu":
         return connector({"kvoffload_spec": "cpu", "cpu_bytes_to_use": cpu_bytes})
@@ -102,7 +104,8 @@ def describe(name: str, cpu_bytes: str, tier_cpu_bytes: str) -> str:
     base = SHARED_WITH.get(name)
     if base:
         return f"server B (fresh, CPU {tier_cpu_bytes}) over the store server A ({base}) filled"
-    fixed = {"none": "no offloading", "cpu": f"CPU tier {cpu_bytes}, default policy",
+    fixed = {"none": "no offloading", "vllm-all": "no offloading, vLLM's own cache holds every shared prefix",
+             "cpu": f"CPU tier {cpu_bytes}, default policy",
              "cpu-lru": f"CPU tier {cpu_bytes}, lru", "cpu-t2": f"CPU tier {cpu_bytes}, store_threshold 2"}
     if name in STORE_THRESHOLD and "+" in name:
         return f"CPU {tier_cpu_bytes} + {name.partition('+')[2].partition('-')[0]}, store_threshold 2 on it"

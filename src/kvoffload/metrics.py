@@ -76,6 +76,7 @@ GAUGES = {
     "fenced_blocks": "Freed blocks held back until in-flight jobs of a cache reset finished",
     "known_present": "Keys a remote store answered present, still trusted (lookup_cache_s)",
     "server_up": "1 while the remote store answers, 0 while backing off after an error",
+    "uncommitted_records": "Storage index records not on disk yet: stores a kill -9 now would lose",
 }
 BYTES_BUCKETS = tuple(float(2**i) for i in range(12, 33, 2))  # 4 KiB .. 4 GiB
 SECONDS_BUCKETS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0)

@@ -40,7 +40,7 @@ def spec_for(tmp_path, layer, par, **ns):
     assert chunk >= page
     config = OffloadingConfig.from_dict({"groups": [16], "extra_config": {
         "num_cpu_chunks": 6, "kv_bytes_per_chunk": chunk, "tp_rank": par.tp_rank, "tp_size": par.tp_size,
-        "namespace": {"model": "m", **ns},
+        "namespace": {"model": "m", **ns}, "promotion_deadline_s": None,
         "secondary_tiers": [{"type": "storage", "path": str(tmp_path / "kv"), "capacity_bytes": "256KiB",
                              "direct_io": False}]}})
     spec = TieredOffloadingSpec(config)  # opens the storage tier now: the chunk size is declared

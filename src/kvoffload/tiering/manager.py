@@ -58,18 +58,16 @@ _LOOKUP_COUNTER = {_HIT: "hits", _MISS: "misses", _PENDING: "hits_pending", _RET
 _DONE = object()  # on a ReqContext, under the manager: its children heard on_request_finished
 
 
-# A request waits at most this long for a promotion in flight before its
-# lookups answer MISS and it computes instead (a slow or stuck tier, e.g. a
-# Mooncake node whose transfers queue behind one that stopped answering).
-DEFAULT_PROMOTION_DEADLINE_S = 2.0
-
 
 class TieringManager(OffloadingManager):
     def __init__(self, primary: CPUOffloadingManager, tiers: list[Tier], name: str = "tiered",
-                 promotion_deadline_s: float | None = DEFAULT_PROMOTION_DEADLINE_S):
+                 promotion_deadline_s: float | None = None):
         self.primary = primary
         self.name = name
-        self.promotion_deadline_s = promotion_deadline_s or None  # None (or 0): wait as long as it takes
+        # A request waits at most this long (s) for a promotion in flight, then its
+        # lookups answer MISS and it computes. None (or 0): as long as it takes, and
+        # what happens depends on no clock. The spec's default is 2 s.
+        self.promotion_deadline_s = promotion_deadline_s or None
         self._requests: dict[str, RequestState] = {}
         self.jobs = JobTable()
         self._counters: dict[str, float] = {}

@@ -50,7 +50,7 @@ from kvoffload.config import ConfigError, OffloadingConfig, check_known_keys, po
 from kvoffload.layout import parallel_layout_id
 from kvoffload.tiering.admission import make_admission
 from kvoffload.redact import redact
-from kvoffload.tiering.manager import DEFAULT_PROMOTION_DEADLINE_S, TieringManager
+from kvoffload.tiering.manager import TieringManager
 from kvoffload.tiering.tier import (
     DEFAULT_MAX_QUEUE_DEPTH,
     DEFAULT_STORE_THRESHOLD,
@@ -64,6 +64,12 @@ from kvoffload.align import align_up
 from kvoffload.tiers.base import Namespace
 from kvoffload.tiers.host_pool import HostPool
 from kvoffload.tiers.cpu.spec import CPUOffloadingSpec
+
+
+# A request waits at most this long for a promotion in flight before its
+# lookups answer MISS and it computes instead (a slow or stuck tier, e.g. a
+# Mooncake node whose transfers queue behind one that stopped answering).
+DEFAULT_PROMOTION_DEADLINE_S = 2.0
 
 
 class TieredOffloadingSpec(OffloadingSpec):

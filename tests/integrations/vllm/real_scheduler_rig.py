@@ -122,6 +122,8 @@ class Engine:
     def __init__(self, model_dir, extra: dict, seed: int, async_scheduling: bool, hybrid: bool = True,
                  tier_late: tuple[int, int] = (0, 2)):
         self.rng = random.Random(seed)
+        if extra.get("kvoffload_spec") == "tiered":  # promotions wait as long as they take, whatever the load
+            extra = {"promotion_deadline_s": None, **extra}
         config = vllm_config(model_dir, extra, async_scheduling)
         kv_config = kv_cache_config(hybrid)
         config.cache_config.num_gpu_blocks = NUM_GPU_BLOCKS

@@ -141,7 +141,7 @@ def test_tp2_storage_tier_serves_a_tp1_engine(tmp_path):
     shared pool; what TP=2 ranks stored is read back by a TP=1 engine."""
     from kvoffload.abstractions import LookupResult, ScheduleEndContext
 
-    extra = {"kvoffload_spec": "tiered", "cpu_bytes_to_use": "1MiB",
+    extra = {"kvoffload_spec": "tiered", "cpu_bytes_to_use": "1MiB", "promotion_deadline_s": None,
              "secondary_tiers": [{"type": "storage", "path": str(tmp_path / "kv"), "capacity_bytes": "4MiB"}]}
     engine = f"tp2-storage-{uuid.uuid4()}"
     g = torch.Generator().manual_seed(2)

@@ -108,7 +108,8 @@ def model(tmp_path_factory) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("vllm") / "tiny-llama")
 
 
-STORAGE = {"kvoffload_spec": "tiered", "cpu_bytes_to_use": "64MiB",
+# promotion_deadline_s None: the promotions are waited for, however loaded the machine
+STORAGE = {"kvoffload_spec": "tiered", "cpu_bytes_to_use": "64MiB", "promotion_deadline_s": None,
            "secondary_tiers": [{"type": "storage", "capacity_bytes": "256MiB"}]}
 
 
@@ -129,7 +130,7 @@ def engines(model) -> dict[str, list[dict]]:
     storage = dict(STORAGE, secondary_tiers=[dict(STORAGE["secondary_tiers"][0], path=str(model.parent / "kv"))])
     pools = {tp: model.parent / f"shm-tp{tp}.pool" for tp in (1, 2)}
     shared = {tp: {"cpu_bytes_to_use": "4MiB", "shared_pool_path": str(pools[tp])} for tp in (1, 2)}
-    shared[2].update(kvoffload_spec="tiered", secondary_tiers=[TP2_STORAGE(model)])
+    shared[2].update(kvoffload_spec="tiered", secondary_tiers=[TP2_STORAGE(model)], promotion_deadline_s=None)
     procs = {"reference": start_engine(model, None, phases),
              "cpu": start_engine(model, {"kvoffload_spec": "cpu", "cpu_bytes_to_use": "64MiB"}, phases),
              "cpu_multiprocess": start_engine(model, shared[1], [[PROMPT], FILLERS, [PROMPT]], one_process=False,

@@ -160,6 +160,29 @@ def test_the_group_commit_writes_records_without_a_close(tmp_path, pool, trigger
         close(tier)
 
 
+def test_uncommitted_records_counts_what_a_kill_would_lose(tmp_path, pool):
+    """The gauge an operator (or a test stopping vLLM, which kills its engine
+    core at once) waits on: the stores not in the index log yet, then 0 once
+    a commit wrote them, and a new process finds every one of them."""
+    from storage_helpers import fill, store
+
+    tier = StorageTier(str(tmp_path / "store"), 8 * CHUNK, CHUNK, NS, commit_records=10_000,
+                       commit_interval_ms=60_000)  # commits only where called
+    mgr = tier.get_manager()
+    try:
+        assert mgr.get_stats().gauges["uncommitted_records"] == 0
+        for i in range(3):
+            fill(pool, 0, key(i))
+            assert store(tier, pool, [key(i)], [0], job_id=i + 1)
+        assert mgr.get_stats().gauges["uncommitted_records"] == 3
+        tier.store.flush()
+        assert mgr.get_stats().gauges["uncommitted_records"] == 0
+        log_bytes = (tier.store.dir / "index.log").read_bytes()
+    finally:
+        close(tier)
+    assert len(log_bytes) == 4 * 128  # a header and the 3 records, before the close committed anything
+
+
 @pytest.mark.parametrize("value", [0, -5, "fast", True, 120_000])
 def test_commit_interval_out_of_range_is_named(tmp_path, value):
     from kvoffload.config import ConfigError

@@ -74,6 +74,8 @@ class IndexedSlots:
         self._lock = threading.Lock()
         self._commit_lock = threading.Lock()  # one commit (or reset) at a time
         self._pending: list[bytes] = []  # packed records not yet in the log, in order
+        self._committing = 0  # records being written by the commit in progress
+        self._unwritten = 0  # records of failed commits (the next commit rewrites the log whole)
         self._unsynced: set[int] = set()  # slab fds written since the last commit
         self._commit_failing = False  # warned once until a commit succeeds
         self._corrupt: list[tuple[int, str]] = []  # (slot, counter)
@@ -119,28 +121,47 @@ class IndexedSlots:
                 return True
             with self._lock:
                 records, self._pending = self._pending, []
+                self._committing = len(records)
                 fds, self._unsynced = self._unsynced, set()
                 whole = self.index.dirty or self.index.needs_compaction(len(self.entries), len(records))
                 snapshot = list(self.entries.items()) if whole else None
             if not records and snapshot is None and not fds:
                 return True
             try:
-                self.sync_data(fd for fd in fds if fd >= 0)
-                if snapshot is not None:
-                    self.index.rewrite(snapshot)
-                elif records:
-                    self.index.append(b"".join(records))
-            except OSError as e:
-                self.index.dirty = True  # the entries (these records included) are rewritten next time
-                if raise_errors:  # the caller says what it cost
-                    raise
-                if not self._commit_failing:
-                    log.warning("storage index %s: commit failed (%s): recent stores are misses after a "
-                                "crash until a commit succeeds", self.dir, e.strerror or e)
-                self._commit_failing = True
-                return False
-            self._commit_failing = False
-            return True
+                return self._commit(records, fds, snapshot, raise_errors)
+            finally:
+                with self._lock:
+                    self._committing = 0
+
+    @property
+    def uncommitted(self) -> int:
+        """Index records not on disk yet: what a kill -9 now would cost."""
+        with self._lock:
+            return len(self._pending) + self._committing + self._unwritten
+
+    def _commit(self, records: list[bytes], fds: set[int], snapshot, raise_errors: bool) -> bool:
+        try:
+            self.sync_data(fd for fd in fds if fd >= 0)
+            if snapshot is not None:
+                self.index.rewrite(snapshot)
+            elif records:
+                self.index.append(b"".join(records))
+        except OSError as e:
+            self.index.dirty = True  # the entries (these records included) are rewritten next time
+            with self._lock:
+                self._unwritten += len(records)
+            if raise_errors:  # the caller says what it cost
+                raise
+            if not self._commit_failing:
+                log.warning("storage index %s: commit failed (%s): recent stores are misses after a "
+                            "crash until a commit succeeds", self.dir, e.strerror or e)
+            self._commit_failing = True
+            return False
+        if snapshot is not None:
+            with self._lock:
+                self._unwritten = 0
+        self._commit_failing = False
+        return True
 
     def expected_checksum(self, slot: int) -> int | None:
         with self._lock:
@@ -178,6 +199,7 @@ class IndexedSlots:
             with self._lock:
                 self.entries.clear()
                 self._pending.clear()
+                self._unwritten = 0
             self.index.void()
 
     def forget(self, slots: list[int]) -> None:

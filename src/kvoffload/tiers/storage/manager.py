@@ -240,7 +240,7 @@ class StorageOffloadingManager(OffloadingManager):
         return OffloadingStats(
             tier=self.name, medium=self.medium, locality=self.locality, counters=counters,
             gauges={"used_blocks": used, "capacity_blocks": cap, "pinned_blocks": len(self._pins),
-                    "usage": used / cap},
+                    "usage": used / cap, "uncommitted_records": self.store.uncommitted},
         )
 
     def shutdown(self) -> None:
