@@ -70,9 +70,29 @@ def table_lines(report: dict) -> list[str]:
     return lines
 
 
+def ceiling_lines(report: dict, phase: str = "shared-prefix") -> list[str]:
+    """Each configuration's share of what vllm-all (every prefix in vLLM's own
+    cache) gained over none: the part of the attainable gain it delivers."""
+    rat = report["ratios"]
+    top = rat.get("vllm-all", {}).get(phase)
+    if not top or not top.get("p50_ttft_ms") or not top.get("request_throughput"):
+        return []
+    cut, gain = 1 - top["p50_ttft_ms"], top["request_throughput"] - 1
+    lines = [f"ceiling (vllm-all, {phase}): TTFT p50 {top['p50_ttft_ms']:.2f}x, req/s {top['request_throughput']:.2f}x"]
+    for name in report["configs"]:
+        q = rat.get(name, {}).get(phase)
+        if name == "vllm-all" or not q or q.get("p50_ttft_ms") is None or q.get("request_throughput") is None:
+            continue
+        shares = [f"{(1 - q['p50_ttft_ms']) / cut:.0%} of its TTFT cut" if cut > 0 else "",
+                  f"{(q['request_throughput'] - 1) / gain:.0%} of its throughput gain" if gain > 0 else ""]
+        lines.append(f"  {name}: " + ", ".join(x for x in shares if x))
+    return lines
+
+
 def print_table(report: dict) -> None:
     print(f"\nmachine: {report['machine']}{'  (--quick)' if report['quick'] else ''}")
     print("\n".join(table_lines(report)))
+    print("\n".join([""] + ceiling_lines(report)))
     checks = {n: r["check"] for n, r in report["results"].items() if "check" in r}
     if checks:
         total = sum(c["mismatches"] for n, c in checks.items())

@@ -13,13 +13,13 @@ import shutil
 import tempfile
 from pathlib import Path
 
-CONFIG_NAMES = ("none", "cpu", "cpu-lru", "cpu+storage", "cpu+redis", "cpu+mooncake",
+# vllm-all: no offloading, vLLM's own cache big enough for every shared prefix: the
+# most any offloading could give (every reuse served from the engine's memory, nothing moved)
+CONFIG_NAMES = ("none", "vllm-all", "cpu", "cpu-lru", "cpu+storage", "cpu+redis", "cpu+mooncake",
                 "shared-redis", "shared-mooncake")
 # run only when named: store_threshold 2 (a chunk stored on its second offer: vLLM's
 # key on the CPU tier; on a remote tier, written down once stored and reused)
-# vllm-all: no offloading, vLLM's own cache big enough for every shared prefix: the
-# most any offloading could give (every reuse served from the engine's memory, nothing moved)
-OPTIONAL_CONFIGS = ("cpu-t2", "cpu+redis-t2", "cpu+mooncake-t2", "vllm-all")
+OPTIONAL_CONFIGS = ("cpu-t2", "cpu+redis-t2", "cpu+mooncake-t2")
 STORE_THRESHOLD = {"cpu-t2": 2, "cpu+redis-t2": 2, "cpu+mooncake-t2": 2}  # offers a block needs (else 1)
 # the two-server configurations: server A is the named single-server one
 SHARED_WITH = {"shared-redis": "cpu+redis", "shared-mooncake": "cpu+mooncake"}
