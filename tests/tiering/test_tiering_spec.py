@@ -26,13 +26,20 @@ def test_promotion_deadline_s_is_seconds_or_none(tmp_path):
     from kvoffload.config import ConfigError, OffloadingConfig
     from kvoffload.spec import build_spec
 
-    def spec(value):
+    def spec(*value):
         config = OffloadingConfig.from_dict({
             "groups": [{"tokens_per_block": 16}],
-            "extra_config": {"num_cpu_chunks": 2, "storage_dir": str(tmp_path / "kv"), "storage_bytes": "1MiB",
-                             "promotion_deadline_s": value}})
+            "extra_config": {"num_cpu_chunks": 2, "kv_bytes_per_chunk": 4096, "storage_dir": str(tmp_path / "kv"),
+                             "storage_bytes": "1MiB", **({"promotion_deadline_s": value[0]} if value else {})}})
         return build_spec("tiered", config)
 
+    default = spec()
+    assert default.promotion_deadline_s == 2.0  # users get one unless they say otherwise
+    manager = default.get_manager()
+    try:
+        assert manager.promotion_deadline_s == 2.0
+    finally:
+        manager.shutdown()
     assert spec(0.5).promotion_deadline_s == 0.5
     assert spec(0).promotion_deadline_s is None and spec(None).promotion_deadline_s is None
     for bad in (-1, "2s", True, float("nan")):
