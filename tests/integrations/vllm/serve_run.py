@@ -25,13 +25,13 @@ def free_port() -> int:
 
 class Server:
     def __init__(self, model: Path, kv_config: dict | None, log: Path, gpu_blocks: int, max_len: int,
-                 env: dict | None = None):
+                 env: dict | None = None, extra_args: list[str] | None = None):
         self.port = free_port()
         self.model = str(model)
         args = [sys.executable, "-m", "kvoffload.cli", "vllm", "serve", self.model, "--host", "127.0.0.1",
                 "--port", str(self.port), "--block-size", "32", "--enforce-eager",
                 "--num-gpu-blocks-override", str(gpu_blocks), "--max-model-len", str(max_len),
-                "--max-num-seqs", "4", "--enable-prefix-caching"]
+                "--max-num-seqs", "4", "--enable-prefix-caching", *(extra_args or [])]
         if kv_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_config)]
         full_env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
@@ -96,12 +96,17 @@ class Server:
         return {(s.name, tuple(sorted(s.labels.items()))): s.value
                 for fam in text_string_to_metric_families(text) for s in fam.samples}
 
-    def stop(self) -> None:
-        """SIGTERM to the whole group (API server, engine core, workers), then SIGKILL."""
+    def stop(self, graceful: bool = False) -> None:
+        """SIGTERM to the whole group (API server, engine core, workers), or
+        with graceful to the API server alone (as docker, Kubernetes and most
+        service managers stop it: vLLM stops its own processes), then SIGKILL."""
         if self.proc.poll() is None:
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-                self.proc.wait(timeout=60)
+                if graceful:
+                    self.proc.send_signal(signal.SIGTERM)
+                else:
+                    os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=120 if graceful else 60)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(timeout=30)
